@@ -1,0 +1,233 @@
+"""`GuardConfig`: every threshold of the guard with a documented default; loads YAML or TOML."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from trainguard.events import EVENT_KINDS, ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LossSpikeConfig(_Section):
+    """A jump of the loss far above its recent level (z-score rule) or a gross ratio over it."""
+
+    enabled: bool = True
+    window: int = Field(100, ge=8, description="Recent non-spike losses that form the baseline.")
+    warmup: int = Field(20, ge=4, description="Observations before the detector arms.")
+    z_threshold: float = Field(10.0, gt=0, description="Noise standard deviations over the level.")
+    min_rel_jump: float = Field(
+        0.05, ge=0, description="A z-score spike must also exceed the level by this fraction."
+    )
+    ratio_threshold: float = Field(2.0, gt=1, description="Loss over this x the baseline mean.")
+    level_window: int = Field(5, ge=1, description="Latest losses whose median is the level.")
+    classify_window: int = Field(
+        5, ge=1, description="Steps watched after a spike before its type is revised."
+    )
+    noise_horizon: int = Field(
+        1000, ge=10, description="Steps over which the long-run noise level is averaged."
+    )
+    tail_quantile: float = Field(
+        0.999,
+        gt=0.5,
+        lt=1,
+        description="Quantile of past |z| that widens the threshold for heavy-tailed noise.",
+    )
+
+
+class GradSpikeConfig(_Section):
+    """A global gradient norm far above its recent average."""
+
+    enabled: bool = True
+    window: int = Field(100, ge=4)
+    warmup: int = Field(20, ge=2)
+    ratio_threshold: float = Field(5.0, gt=1, description="Grad norm over this x recent mean.")
+    abs_limit: float | None = Field(None, gt=0, description="Absolute grad-norm limit; off.")
+
+
+class GradExplosionConfig(_Section):
+    """A gradient norm that grows step after step, or passes an absolute limit."""
+
+    enabled: bool = True
+    growth_steps: int = Field(5, ge=2, description="Consecutive steps of growth.")
+    growth_factor: float = Field(
+        10.0, gt=1, description="Total growth over those steps, against the pre-growth level."
+    )
+    abs_limit: float | None = Field(None, gt=0, description="Absolute grad-norm limit; off.")
+
+
+class VanishingConfig(_Section):
+    """A layer group whose gradient norm fell far below its early level, or under a floor."""
+
+    enabled: bool = True
+    reference_steps: int = Field(50, ge=1, description="Steps that set each group's early level.")
+    ratio: float = Field(1e-3, gt=0, lt=1, description="Fraction of the early level.")
+    abs_floor: float = Field(1e-8, ge=0)
+    patience: int = Field(20, ge=1, description="Consecutive steps below before it is reported.")
+
+
+class StallConfig(_Section):
+    """The loss improves by less than a relative tolerance over a long window, with confidence."""
+
+    enabled: bool = True
+    window: int = Field(2000, ge=20, description="Steps over which progress is measured.")
+    blocks: int = Field(20, ge=5, description="Block means the trend line is fitted to.")
+    rel_tol: float = Field(
+        0.01, ge=0, description="Least relative improvement over the window that is progress."
+    )
+
+
+class DivergenceConfig(_Section):
+    """The loss rises steadily over a window (Mann-Kendall trend test on block medians)."""
+
+    enabled: bool = True
+    window: int = Field(400, ge=20, description="Steps the rise must span, at least half of.")
+    blocks: int = Field(20, ge=8, description="Blocks whose medians enter the trend test.")
+    z_threshold: float = Field(3.5, gt=0, description="Mann-Kendall z for a rising trend.")
+    min_rel_rise: float = Field(0.1, ge=0, description="Rise of the last block over the lowest.")
+
+
+class OscillationConfig(_Section):
+    """Periodic loss swings whose amplitude grows."""
+
+    enabled: bool = True
+    window: int = Field(200, ge=32)
+    check_every: int = Field(25, ge=1)
+    min_period: int = Field(4, ge=2)
+    min_acf: float = Field(0.5, gt=0, lt=1, description="Autocorrelation at the period.")
+    growth: float = Field(1.5, gt=1, description="Amplitude of the later half over the earlier.")
+    min_rel_amplitude: float = Field(
+        0.02, ge=0, description="Swing amplitude as a fraction of the loss level."
+    )
+
+
+class OverflowConfig(_Section):
+    """fp16 loss-scale overflow: normal while the scaler calibrates, an incident if it persists."""
+
+    patience: int = Field(20, ge=1, description="Consecutive overflow steps that are an incident.")
+    min_loss_scale: float = Field(1.0, gt=0, description="A scale at or below this has collapsed.")
+
+
+class HealthConfig(_Section):
+    """The seed's absolute health thresholds: off by default, as levels depend on the model."""
+
+    enabled: bool = False
+    loss_warn: float = 5.0
+    loss_danger: float = 10.0
+    grad_norm_warn: float = 2.0
+    grad_norm_danger: float = 5.0
+    overflow_warn: int = 100
+    overflow_danger: int = 1000
+
+
+class PolicyConfig(_Section):
+    """How events become actions."""
+
+    skip_on: list[str] = Field(
+        default_factory=lambda: ["loss_spike", "grad_spike"],
+        description="Event kinds whose step is skipped (non-finite gradients always are).",
+    )
+    halt_on: list[str] = Field(default_factory=list, description="Event kinds that halt the run.")
+    max_consecutive_skips: int = Field(
+        3, ge=0, description="Spike skips in a row before the guard steps again."
+    )
+    max_consecutive_nonfinite: int = Field(
+        5, ge=1, description="Non-finite steps in a row that halt the run."
+    )
+
+    @field_validator("skip_on", "halt_on")
+    @classmethod
+    def _known_kinds(cls, kinds: list[str]) -> list[str]:
+        unknown = sorted(set(kinds) - set(EVENT_KINDS))
+        if unknown:
+            raise ValueError(f"unknown event kinds {unknown}; known: {', '.join(EVENT_KINDS)}")
+        return kinds
+
+
+DEFAULT_GROUP_PATTERNS = [r"^(?P<group>.*?\.\d+)\.", r"^(?P<group>[^.]+)"]
+
+
+class GuardConfig(_Section):
+    """Every setting of the guard; `GuardConfig.load(path)` reads YAML or TOML."""
+
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip threshold; None turns off.")
+    stats_every: int = Field(
+        10, ge=0, description="Steps between parameter-norm and update-ratio samples; 0 is off."
+    )
+    log_every: int = Field(1, ge=1, description="Steps between lines of metrics.jsonl.")
+    console: bool = Field(True, description="Print warnings and incidents on the console.")
+    group_patterns: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_GROUP_PATTERNS),
+        description="Regexes over parameter names; the first match names the layer group.",
+    )
+    loss_spike: LossSpikeConfig = Field(default_factory=LossSpikeConfig)
+    grad_spike: GradSpikeConfig = Field(default_factory=GradSpikeConfig)
+    grad_explosion: GradExplosionConfig = Field(default_factory=GradExplosionConfig)
+    vanishing: VanishingConfig = Field(default_factory=VanishingConfig)
+    stall: StallConfig = Field(default_factory=StallConfig)
+    divergence: DivergenceConfig = Field(default_factory=DivergenceConfig)
+    oscillation: OscillationConfig = Field(default_factory=OscillationConfig)
+    overflow: OverflowConfig = Field(default_factory=OverflowConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+
+    @field_validator("group_patterns")
+    @classmethod
+    def _valid_patterns(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"group pattern {pattern!r} is not a valid regex: {exc}") from exc
+        return patterns
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> GuardConfig:
+        """Validate a mapping, turning pydantic's report into one line that names the field."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+            more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+            raise ConfigError(
+                f"{source}: {where}: {first['msg']}{more}; fix that field or remove it"
+            ) from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> GuardConfig:
+        """Read a YAML (.yaml/.yml) or TOML (.toml) file; JSON is accepted as YAML."""
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}; pass the path of a YAML or TOML file")
+        text = p.read_text(encoding="utf-8")
+        try:
+            if p.suffix.lower() == ".toml":
+                data: Any = tomllib.loads(text)
+            else:
+                data = yaml.safe_load(text)
+        except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+            line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigError(f"{p}: not valid {p.suffix.lstrip('.') or 'YAML'}: {line}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of settings")
+        return cls.from_dict(data, source=str(p))
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)

@@ -1,0 +1,56 @@
+"""`MarkovCorpus`: a learnable synthetic token stream, and the batches of a demo or test run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Batch:
+    """Inputs, next-token targets and the ids of the samples (their start offsets)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    ids: list[int]
+    input_scale: float = 1.0
+    toxic: bool = field(default=False, compare=False)
+
+
+class MarkovCorpus:
+    """Tokens from a sparse first-order Markov chain: learnable, with a known entropy floor."""
+
+    def __init__(self, vocab_size: int = 64, length: int = 200_000, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.vocab_size = vocab_size
+        logits = torch.randn(vocab_size, vocab_size, generator=g) * 4.0
+        probs = torch.softmax(logits, dim=-1)
+        chains = 512  # independent chains, sampled in parallel and joined end to end
+        steps = -(-length // chains)
+        seq = torch.empty(chains, steps, dtype=torch.long)
+        seq[:, 0] = torch.randint(vocab_size, (chains,), generator=g)
+        for i in range(1, steps):
+            row = probs[seq[:, i - 1]]
+            seq[:, i] = torch.multinomial(row, 1, generator=g).squeeze(1)
+        tokens = seq.reshape(-1)[:length].clone()
+        self.tokens = tokens
+        self.entropy = float(-(probs * probs.clamp_min(1e-12).log()).sum(-1).mean())
+
+    def batches(self, batch_size: int, seq_len: int, steps: int, seed: int = 1) -> Iterator[Batch]:
+        """`steps` batches of random windows, the same sequence for the same seed."""
+        g = torch.Generator().manual_seed(seed)
+        high = len(self.tokens) - seq_len - 1
+        for _ in range(steps):
+            starts = torch.randint(high, (batch_size,), generator=g)
+            offsets = torch.arange(seq_len + 1)
+            windows = self.tokens[starts[:, None] + offsets[None, :]]
+            yield Batch(x=windows[:, :-1], y=windows[:, 1:], ids=starts.tolist())
+
+    def make_toxic(self, batch: Batch, seed: int = 2, input_scale: float = 8.0) -> Batch:
+        """The same batch with its targets shuffled and its inputs scaled: one bad batch."""
+        g = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(batch.y.numel(), generator=g)
+        y = batch.y.reshape(-1)[perm].reshape(batch.y.shape)
+        return Batch(x=batch.x, y=y, ids=batch.ids, input_scale=input_scale, toxic=True)

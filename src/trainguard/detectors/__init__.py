@@ -1,0 +1,28 @@
+"""Detectors: pure, streaming functions of a metric stream that raise events."""
+
+from trainguard.detectors.base import Detector, MetricPoint
+from trainguard.detectors.gradients import (
+    GradExplosionDetector,
+    GradSpikeDetector,
+    VanishingGradientDetector,
+)
+from trainguard.detectors.health import HealthThresholdDetector
+from trainguard.detectors.loss_spike import LossSpikeDetector
+from trainguard.detectors.nonfinite import NonFiniteDetector
+from trainguard.detectors.suite import DetectorSuite
+from trainguard.detectors.trends import DivergenceDetector, OscillationDetector, StallDetector
+
+__all__ = [
+    "Detector",
+    "DetectorSuite",
+    "DivergenceDetector",
+    "GradExplosionDetector",
+    "GradSpikeDetector",
+    "HealthThresholdDetector",
+    "LossSpikeDetector",
+    "MetricPoint",
+    "NonFiniteDetector",
+    "OscillationDetector",
+    "StallDetector",
+    "VanishingGradientDetector",
+]

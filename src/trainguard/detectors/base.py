@@ -1,0 +1,106 @@
+"""The detectors' input (`MetricPoint`) and base class: a pure, streaming function of metrics."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from trainguard.events import Event, Severity, SpikeType
+
+
+@dataclass
+class MetricPoint:
+    """The figures of one step that detectors read; any of them may be missing."""
+
+    step: int
+    loss: float
+    grad_norm: float | None = None
+    lr: float | None = None
+    loss_scale: float | None = None
+    overflow: bool = False
+    nonfinite_grads: int = 0
+    nonfinite_params: list[str] = field(default_factory=list)
+    group_grad_norms: dict[str, float] | None = None
+    update_ratio: float | None = None
+
+    @property
+    def loss_finite(self) -> bool:
+        return math.isfinite(self.loss)
+
+    @property
+    def grads_finite(self) -> bool:
+        return self.nonfinite_grads == 0 and (
+            self.grad_norm is None or math.isfinite(self.grad_norm)
+        )
+
+
+class Detector:
+    """A detector reads one `MetricPoint` at a time and returns the events it raises there.
+
+    Its state is plain data (numbers, lists, dicts) so `state_dict` is JSON- and
+    `weights_only`-safe; `_state` names the attributes that form it.
+    """
+
+    name: ClassVar[str] = "detector"
+    _state: ClassVar[tuple[str, ...]] = ()
+
+    def update(self, point: MetricPoint) -> list[Event]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {key: _export(getattr(self, key)) for key in self._state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in self._state:
+            current = getattr(self, key)
+            value = state[key]
+            if isinstance(current, deque):
+                setattr(self, key, deque(value, maxlen=current.maxlen))
+            elif isinstance(current, dict) and isinstance(value, dict):
+                setattr(self, key, _import_dict(value))
+            else:
+                setattr(self, key, value)
+
+    def event(
+        self,
+        point: MetricPoint,
+        severity: Severity,
+        message: str,
+        metrics: dict[str, Any],
+        *,
+        kind: str | None = None,
+        type: SpikeType | None = None,
+        confidence: float | None = None,
+    ) -> Event:
+        return Event(
+            step=point.step,
+            kind=kind or self.name,
+            severity=severity,
+            message=message,
+            metrics=metrics,
+            type=type,
+            confidence=confidence,
+        )
+
+
+def _export(value: Any) -> Any:
+    if isinstance(value, deque):
+        return list(value)
+    if isinstance(value, dict):
+        return {k: _export(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_export(v) for v in value]
+    return value
+
+
+def _import_dict(value: dict[str, Any]) -> dict[str, Any]:
+    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in value.items()}
+
+
+def fmt(x: float | None) -> str:
+    """A figure for a message: 4 significant digits."""
+    if x is None:
+        return "n/a"
+    return f"{x:.4g}"

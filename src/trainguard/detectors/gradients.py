@@ -1,0 +1,169 @@
+"""Gradient detectors: spikes of the global norm, explosion, and vanishing layer groups."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from typing import Any
+
+from trainguard.config import GradExplosionConfig, GradSpikeConfig, VanishingConfig
+from trainguard.detectors.base import Detector, MetricPoint, fmt
+from trainguard.detectors.stats import mean, median
+from trainguard.events import Event, Severity
+
+
+def _finite_grad(point: MetricPoint) -> float | None:
+    g = point.grad_norm
+    return g if g is not None and math.isfinite(g) and point.nonfinite_grads == 0 else None
+
+
+class GradSpikeDetector(Detector):
+    """Global gradient norm over `ratio_threshold` x the mean of recent non-spike norms, or over
+    `abs_limit`. One event per incident; a norm that stays high for a quarter of the window is
+    taken as the new level."""
+
+    name = "grad_spike"
+    _state = ("window", "in_spike", "spike_run", "elevated")
+
+    def __init__(self, config: GradSpikeConfig | None = None) -> None:
+        self.config = config or GradSpikeConfig()
+        self.rebaseline_after = max(self.config.window // 4, 2)
+        self.window: deque[float] = deque(maxlen=self.config.window)
+        self.in_spike = False
+        self.spike_run = 0
+        self.elevated: deque[float] = deque(maxlen=self.rebaseline_after)
+
+    def update(self, point: MetricPoint) -> list[Event]:
+        g = _finite_grad(point)
+        if g is None:
+            return []
+        cfg = self.config
+        base = mean(list(self.window)) if len(self.window) >= cfg.warmup else None
+        ratio = g / base if base else None
+        over_ratio = ratio is not None and ratio > cfg.ratio_threshold
+        over_abs = cfg.abs_limit is not None and g > cfg.abs_limit
+        if not (over_ratio or over_abs):
+            self.in_spike = False
+            self.spike_run = 0
+            self.window.append(g)
+            return []
+        if self.in_spike:
+            self.spike_run += 1
+            self.elevated.append(g)
+            if self.spike_run >= self.rebaseline_after:
+                self.window.clear()
+                self.window.extend(self.elevated)
+                if not over_abs:  # an absolute limit stays one incident while it is exceeded
+                    self.in_spike = False
+                    self.spike_run = 0
+            return []
+        self.in_spike = True
+        self.spike_run = 1
+        self.elevated.clear()
+        self.elevated.append(g)
+        if over_ratio:
+            message = f"gradient norm {fmt(g)} is {fmt(ratio)}x its recent mean {fmt(base)}"
+        else:
+            message = f"gradient norm {fmt(g)} is over the absolute limit {fmt(cfg.abs_limit)}"
+        return [
+            self.event(
+                point,
+                "warning",
+                message,
+                {"grad_norm": g, "baseline_mean": base, "ratio": ratio, "abs_limit": cfg.abs_limit},
+            )
+        ]
+
+
+class GradExplosionDetector(Detector):
+    """A gradient norm that rose on each of `growth_steps` consecutive steps by `growth_factor` in
+    all, or that passed `abs_limit`; one event until the growth breaks."""
+
+    name = "grad_explosion"
+    _state = ("history", "active")
+
+    def __init__(self, config: GradExplosionConfig | None = None) -> None:
+        self.config = config or GradExplosionConfig()
+        self.history: deque[float] = deque(maxlen=self.config.growth_steps + 1)
+        self.active = False
+
+    def update(self, point: MetricPoint) -> list[Event]:
+        g = _finite_grad(point)
+        if g is None:
+            return []
+        cfg = self.config
+        self.history.append(g)
+        h = list(self.history)
+        growing = (
+            len(h) == cfg.growth_steps + 1
+            and all(b > a for a, b in itertools.pairwise(h))
+            and h[0] > 0
+            and h[-1] / h[0] >= cfg.growth_factor
+        )
+        over = cfg.abs_limit is not None and g > cfg.abs_limit
+        if not (growing or over):
+            self.active = False
+            return []
+        if self.active:
+            return []
+        self.active = True
+        if growing:
+            message = (
+                f"gradient norm grew {fmt(h[-1] / h[0])}x over {cfg.growth_steps} consecutive "
+                f"steps, from {fmt(h[0])} to {fmt(g)}"
+            )
+            severity: Severity = "warning"
+        else:
+            message = f"gradient norm {fmt(g)} is over the absolute limit {fmt(cfg.abs_limit)}"
+            severity = "critical"
+        metrics = {"grad_norm": g, "history": h, "abs_limit": cfg.abs_limit}
+        return [self.event(point, severity, message, metrics)]
+
+
+class VanishingGradientDetector(Detector):
+    """A layer group whose gradient norm stayed below `ratio` x its early level (the median of its
+    first `reference_steps` norms), or under `abs_floor`, for `patience` steps; names the groups."""
+
+    name = "vanishing_gradients"
+    _state = ("early", "reference", "below", "reported")
+
+    def __init__(self, config: VanishingConfig | None = None) -> None:
+        self.config = config or VanishingConfig()
+        self.early: dict[str, list[float]] = {}
+        self.reference: dict[str, float] = {}
+        self.below: dict[str, int] = {}
+        self.reported: dict[str, bool] = {}
+
+    def update(self, point: MetricPoint) -> list[Event]:
+        groups = point.group_grad_norms
+        if not groups or not point.grads_finite:
+            return []
+        cfg = self.config
+        newly: list[str] = []
+        details: dict[str, Any] = {}
+        for name, norm in groups.items():
+            ref = self.reference.get(name)
+            if ref is None:
+                samples = self.early.setdefault(name, [])
+                samples.append(norm)
+                if len(samples) >= cfg.reference_steps:
+                    self.reference[name] = median(samples)
+                    del self.early[name]
+            threshold = max(cfg.ratio * ref, cfg.abs_floor) if ref is not None else cfg.abs_floor
+            if norm < threshold:
+                self.below[name] = self.below.get(name, 0) + 1
+                if self.below[name] >= cfg.patience and not self.reported.get(name):
+                    self.reported[name] = True
+                    newly.append(name)
+                    details[name] = {"grad_norm": norm, "early_level": ref}
+            else:
+                self.below[name] = 0
+                self.reported[name] = False
+        if not newly:
+            return []
+        shown = ", ".join(newly[:10]) + (f" and {len(newly) - 10} more" if len(newly) > 10 else "")
+        message = (
+            f"vanishing gradients in {len(newly)} layer group(s) for {cfg.patience}+ steps: {shown}"
+        )
+        return [self.event(point, "warning", message, {"groups": newly, "figures": details})]

@@ -1,0 +1,272 @@
+"""`LossSpikeDetector`: a loss far above its recent level, typed by cause, revised on follow-up."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from statistics import NormalDist
+from typing import Any
+
+from trainguard.config import LossSpikeConfig
+from trainguard.detectors.base import Detector, MetricPoint, fmt
+from trainguard.detectors.stats import (
+    detrended,
+    dominant_period,
+    mann_kendall_z,
+    mean,
+    median,
+    noise_sigma,
+)
+from trainguard.events import Event, Severity, SpikeType
+
+TREND_Z = 3.0  # Mann-Kendall z of the pre-spike losses that reads as a steady rise
+PERIOD_ACF = 0.5  # autocorrelation at the dominant period that reads as oscillation
+GRAD_HIGH = 2.0  # grad norm over this x its baseline mean counts as elevated
+Z_BIN = 0.25  # width of the |z| histogram bins that measure how heavy the noise tails are
+Z_BINS = 100
+TAIL_MIN_SAMPLES = 2000
+
+
+class LossSpikeDetector(Detector):
+    """Flags a loss spike: z = (L - level) / noise > `z_threshold` (and more than `min_rel_jump`
+    over the level), or L > `ratio_threshold` x the baseline mean.
+
+    The baseline holds recent non-spike losses only. The level is the median of the latest few,
+    the noise comes from first differences (the larger of a recent, outlier-resistant estimate and
+    a long-run average), so the rule holds while the loss falls fast early in training. When the
+    noise is heavy-tailed the threshold widens by how far the `tail_quantile` of past |z| lies
+    beyond a Gaussian's. Each spike gets a type and confidence at once, and a `spike_classified`
+    event revises it after `classify_window` steps of follow-up. A loss that stays high for a
+    quarter of the window is taken as the new level.
+    """
+
+    name = "loss_spike"
+    _state = (
+        "window",
+        "grads",
+        "in_spike",
+        "spike_run",
+        "elevated",
+        "watch",
+        "noise_var",
+        "last",
+        "z_hist",
+        "z_total",
+        "tail",
+    )
+
+    def __init__(self, config: LossSpikeConfig | None = None) -> None:
+        self.config = config or LossSpikeConfig()
+        self.rebaseline_after = max(self.config.window // 4, self.config.classify_window + 1)
+        self.window: deque[float] = deque(maxlen=self.config.window)
+        self.grads: deque[float] = deque(maxlen=self.config.window)
+        self.in_spike = False
+        self.spike_run = 0
+        self.elevated: deque[float] = deque(maxlen=self.rebaseline_after)
+        self.watch: dict[str, Any] | None = None
+        self.noise_var: float | None = None
+        self.last: float | None = None
+        self.z_hist: list[float] = [0.0] * Z_BINS
+        self.z_total = 0.0
+        self.tail = 1.0
+        self._gauss_q = NormalDist().inv_cdf(0.5 + self.config.tail_quantile / 2)
+
+    def update(self, point: MetricPoint) -> list[Event]:
+        if not point.loss_finite:
+            return []
+        events: list[Event] = []
+        if self.watch is not None:
+            revised = self._follow(point)
+            if revised is not None:
+                events.append(revised)
+        cfg = self.config
+        loss = point.loss
+        if len(self.window) < cfg.warmup:
+            self._accept(point, None)
+            return events
+        recent = list(self.window)
+        level = median(recent[-cfg.level_window :])
+        base_mean = mean(recent)
+        short = noise_sigma(recent)
+        if self.noise_var is None:
+            self.noise_var = short * short
+        sigma = max(short, math.sqrt(self.noise_var))
+        jump = loss - level
+        z = jump / sigma if sigma > 0 else (math.inf if jump > 0 else 0.0)
+        ratio = loss / base_mean if base_mean > 0 else math.nan
+        threshold = cfg.z_threshold * self.tail
+        z_rule = z > threshold and jump > cfg.min_rel_jump * abs(level)
+        ratio_rule = base_mean > 0 and loss > cfg.ratio_threshold * base_mean
+        if not (z_rule or ratio_rule):
+            self.in_spike = False
+            self.spike_run = 0
+            self._accept(point, z)
+            return events
+        if self.in_spike:
+            self.spike_run += 1
+            self.elevated.append(loss)
+            if self.spike_run >= self.rebaseline_after:
+                self.window.clear()
+                self.window.extend(self.elevated)
+                self.last = loss
+                self.in_spike = False
+                self.spike_run = 0
+            return events
+        self.in_spike = True
+        self.spike_run = 1
+        self.elevated.clear()
+        self.elevated.append(loss)
+        if self.watch is not None:
+            events.append(self._finish(point))
+        spike_type, confidence, why = self._classify(point)
+        grad_mean = mean(list(self.grads)) if self.grads else None
+        self.watch = {
+            "step": point.step,
+            "type": spike_type,
+            "confidence": confidence,
+            "level": level,
+            "peak": loss,
+            "grad_mean": grad_mean,
+            "seen": 0,
+            "back_at": None,
+            "back_steps": 0,
+            "high_grad_steps": 0,
+        }
+        rule = "z-score" if z_rule else "ratio"
+        metrics = {
+            "loss": loss,
+            "level": level,
+            "baseline_mean": base_mean,
+            "noise_std": sigma,
+            "z_score": z,
+            "z_threshold": threshold,
+            "ratio": ratio,
+            "rule": rule,
+            "grad_norm": point.grad_norm,
+        }
+        message = (
+            f"loss {fmt(loss)} jumped over its level {fmt(level)} "
+            f"(z={fmt(z)}, {fmt(ratio)}x the recent mean); likely {spike_type.replace('_', ' ')}: "
+            f"{why}"
+        )
+        severity: Severity = "critical" if ratio_rule and z_rule else "warning"
+        events.append(
+            self.event(point, severity, message, metrics, type=spike_type, confidence=confidence)
+        )
+        return events
+
+    def _accept(self, point: MetricPoint, z: float | None) -> None:
+        """Add a non-spike step to the baseline and to the long-run noise and tail estimates."""
+        loss = point.loss
+        if self.last is not None and self.noise_var is not None:
+            a = 1.0 / self.config.noise_horizon
+            d = loss - self.last
+            self.noise_var = (1 - a) * self.noise_var + a * 0.5 * d * d
+        self.last = loss
+        self.window.append(loss)
+        if point.grad_norm is not None and math.isfinite(point.grad_norm):
+            self.grads.append(point.grad_norm)
+        if z is not None and math.isfinite(z):
+            self._count_z(abs(z))
+
+    def _count_z(self, z: float) -> None:
+        self.z_hist[min(int(z / Z_BIN), Z_BINS - 1)] += 1.0
+        self.z_total += 1.0
+        if self.z_total >= 20 * self.config.noise_horizon:  # forget slowly: halve old counts
+            self.z_hist = [c / 2 for c in self.z_hist]
+            self.z_total /= 2
+        if self.z_total >= TAIL_MIN_SAMPLES and int(self.z_total) % 100 == 0:
+            beyond = (1.0 - self.config.tail_quantile) * self.z_total
+            cumulative = 0.0
+            edge = 0.0
+            for i in range(Z_BINS - 1, -1, -1):
+                cumulative += self.z_hist[i]
+                if cumulative > beyond:
+                    edge = (i + 1) * Z_BIN
+                    break
+            self.tail = max(1.0, edge / self._gauss_q)
+
+    def _classify(self, point: MetricPoint) -> tuple[SpikeType, float, str]:
+        """First guess of the cause from what came before the spike."""
+        recent = list(self.window)
+        pre = recent[-48:]
+        trend = mann_kendall_z(pre)
+        if trend > TREND_Z:
+            return (
+                "architecture",
+                0.6,
+                f"the loss was rising steadily before it (trend z={trend:.1f})",
+            )
+        if len(recent) >= 32:
+            period, acf = dominant_period(detrended(recent[-96:]), 4)
+            if period and acf >= PERIOD_ACF:
+                return (
+                    "optimizer",
+                    0.6,
+                    f"the loss was swinging with period {period} steps (autocorrelation {acf:.2f})",
+                )
+        grads = list(self.grads)
+        if len(grads) >= 8 and point.grad_norm is not None:
+            base = mean(grads[:-3])
+            last = grads[-3:]
+            rising = all(b > a for a, b in itertools.pairwise(last)) and point.grad_norm > last[-1]
+            if base > 0 and rising and last[-1] > GRAD_HIGH * base:
+                return "gradient_explosion", 0.6, "the gradient norm was growing into the spike"
+        return "data_toxicity", 0.5, "a sudden jump with no build-up, as one bad batch gives"
+
+    def _follow(self, point: MetricPoint) -> Event | None:
+        w = self.watch
+        assert w is not None
+        w["seen"] += 1
+        if point.loss <= w["level"] + 0.25 * (w["peak"] - w["level"]):
+            w["back_steps"] += 1
+            if w["back_at"] is None:
+                w["back_at"] = w["seen"]
+        g, gm = point.grad_norm, w["grad_mean"]
+        if g is not None and gm and g > GRAD_HIGH * gm:
+            w["high_grad_steps"] += 1
+        if w["seen"] >= self.config.classify_window:
+            return self._finish(point)
+        return None
+
+    def _finish(self, point: MetricPoint) -> Event:
+        """The revised type of the spike under watch, from how the loss behaved after it."""
+        w = self.watch
+        assert w is not None
+        self.watch = None
+        seen, back_at, back = w["seen"], w["back_at"], w["back_steps"]
+        old: SpikeType = w["type"]
+        new: SpikeType = old
+        confidence = float(w["confidence"])
+        if back_at is not None and back_at <= 2 and back >= seen - 1 and w["high_grad_steps"] <= 1:
+            new, confidence = "data_toxicity", 0.9
+            why = f"the loss was back at its level {back_at} step(s) later"
+        elif seen > 0 and back == 0:
+            if old in ("architecture", "optimizer"):
+                confidence = max(confidence, 0.75)
+                why = f"the loss stayed high for {seen} steps after a build-up"
+            else:
+                new, confidence = "gradient_explosion", 0.85
+                why = f"the loss stayed high for {seen} steps"
+                if w["high_grad_steps"]:
+                    why += f" with the gradient norm elevated on {w['high_grad_steps']}"
+        else:
+            confidence = 0.6
+            why = f"the loss came back partly ({back} of {seen} steps near its level)"
+        verb = "confirmed" if new == old else f"revised from {old.replace('_', ' ')}"
+        return self.event(
+            point,
+            "info",
+            f"loss spike at step {w['step']} {verb} as {new.replace('_', ' ')}: {why}",
+            {
+                "spike_step": w["step"],
+                "previous_type": old,
+                "recovered_after": back_at,
+                "steps_watched": seen,
+                "high_grad_steps": w["high_grad_steps"],
+            },
+            kind="spike_classified",
+            type=new,
+            confidence=confidence,
+        )

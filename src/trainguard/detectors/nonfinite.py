@@ -1,0 +1,76 @@
+"""`NonFiniteDetector`: NaN/Inf in the loss or gradients, and fp16 loss-scale overflow."""
+
+from __future__ import annotations
+
+from trainguard.config import OverflowConfig
+from trainguard.detectors.base import Detector, MetricPoint, fmt
+from trainguard.events import Event
+
+
+class NonFiniteDetector(Detector):
+    """NaN/Inf loss or gradients are `nonfinite` (critical), naming the parameters.
+
+    Under a GradScaler an overflow step is `fp16_overflow` (info): the scaler skips it and lowers
+    the scale. It becomes `nonfinite` when the scale falls to `min_loss_scale` or overflow lasts
+    `patience` steps in a row.
+    """
+
+    name = "nonfinite"
+    _state = ("overflow_run", "overflow_total")
+
+    def __init__(self, config: OverflowConfig | None = None) -> None:
+        self.config = config or OverflowConfig()
+        self.overflow_run = 0
+        self.overflow_total = 0
+
+    def update(self, point: MetricPoint) -> list[Event]:
+        if point.overflow:
+            return self._overflow(point)
+        self.overflow_run = 0
+        if point.loss_finite and point.grads_finite:
+            return []
+        parts = []
+        if not point.loss_finite:
+            parts.append(f"the loss is {point.loss}")
+        if point.nonfinite_grads:
+            names = ", ".join(point.nonfinite_params)
+            more = point.nonfinite_grads - len(point.nonfinite_params)
+            parts.append(
+                f"{point.nonfinite_grads} parameter(s) have non-finite gradients: {names}"
+                + (f" and {more} more" if more > 0 else "")
+            )
+        elif not point.grads_finite:
+            parts.append(f"the gradient norm is {point.grad_norm}")
+        metrics = {
+            "loss": point.loss,
+            "grad_norm": point.grad_norm,
+            "nonfinite_grads": point.nonfinite_grads,
+            "params": point.nonfinite_params,
+        }
+        return [self.event(point, "critical", "; ".join(parts), metrics)]
+
+    def _overflow(self, point: MetricPoint) -> list[Event]:
+        self.overflow_run += 1
+        self.overflow_total += 1
+        cfg = self.config
+        scale = point.loss_scale
+        metrics = {
+            "loss_scale": scale,
+            "consecutive": self.overflow_run,
+            "total": self.overflow_total,
+            "params": point.nonfinite_params,
+        }
+        collapsed = scale is not None and scale <= cfg.min_loss_scale
+        if collapsed or self.overflow_run >= cfg.patience:
+            why = (
+                f"the loss scale fell to {fmt(scale)}"
+                if collapsed
+                else f"gradients overflowed on {self.overflow_run} steps in a row"
+            )
+            message = f"fp16 overflow is no longer calibration: {why}; gradients are non-finite"
+            return [self.event(point, "critical", message, metrics, kind="nonfinite")]
+        message = (
+            f"fp16 overflow: the scaler skipped this step and lowers the loss scale "
+            f"from {fmt(scale)}"
+        )
+        return [self.event(point, "info", message, metrics, kind="fp16_overflow")]

@@ -1,0 +1,91 @@
+"""Small robust statistics shared by the detectors; pure functions of plain floats."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+MAD_TO_SIGMA = 1.4826
+
+
+def median(values: Sequence[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    if n == 0:
+        return math.nan
+    mid = n // 2
+    return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def noise_sigma(values: Sequence[float]) -> float:
+    """Step-to-step noise of a series, from its first differences, robust to trend and outliers.
+
+    The differences are winsorised at 6 MADs and their RMS divided by sqrt(2); this keeps heavy
+    tails in the estimate (unlike a bare MAD) while one outlier cannot inflate it.
+    """
+    diffs = [b - a for a, b in itertools.pairwise(values)]
+    if len(diffs) < 2:
+        return 0.0
+    centre = median(diffs)
+    mad = median([abs(d - centre) for d in diffs])
+    limit = 6.0 * MAD_TO_SIGMA * mad
+    if limit > 0:
+        diffs = [min(max(d - centre, -limit), limit) for d in diffs]
+    else:
+        diffs = [d - centre for d in diffs]
+    return math.sqrt(sum(d * d for d in diffs) / len(diffs) / 2.0)
+
+
+def mann_kendall_z(values: Sequence[float]) -> float:
+    """Mann-Kendall trend statistic as a z-score: large and positive for a steady rise."""
+    n = len(values)
+    if n < 4:
+        return 0.0
+    x = np.asarray(values, dtype=np.float64)
+    s = float(np.sign(x[None, :] - x[:, None])[np.triu_indices(n, 1)].sum())
+    var = n * (n - 1) * (2 * n + 5) / 18.0
+    if s > 0:
+        return (s - 1) / math.sqrt(var)
+    if s < 0:
+        return (s + 1) / math.sqrt(var)
+    return 0.0
+
+
+def detrended(values: Sequence[float] | np.ndarray, degree: int = 2) -> np.ndarray:
+    """Residuals of a least-squares polynomial fit (a quadratic by default)."""
+    y = np.asarray(values, dtype=np.float64)
+    t = np.linspace(-1.0, 1.0, len(y))
+    coeffs = np.polynomial.polynomial.polyfit(t, y, degree)
+    fitted = np.asarray(np.polynomial.polynomial.polyval(t, coeffs), dtype=np.float64)
+    residuals: np.ndarray = y - fitted
+    return residuals
+
+
+def dominant_period(residuals: np.ndarray, min_period: int) -> tuple[int, float]:
+    """The period of the strongest repetition in a residual series and its autocorrelation.
+
+    The period is the highest autocorrelation peak after the first zero crossing, the standard
+    estimate that ignores the slow decay of a trend; (0, 0.0) when there is none.
+    """
+    r = residuals - residuals.mean()
+    n = len(r)
+    denom = float(np.dot(r, r))
+    if n < 2 * min_period or denom <= 0:
+        return 0, 0.0
+    max_lag = n // 2
+    full = np.correlate(r, r, mode="full")[n - 1 : n - 1 + max_lag + 1] / denom
+    below = np.nonzero(full[1:] < 0)[0]
+    if len(below) == 0:
+        return 0, 0.0
+    start = max(int(below[0]) + 1, min_period)
+    if start > max_lag:
+        return 0, 0.0
+    lag = start + int(np.argmax(full[start:]))
+    return lag, float(full[lag])

@@ -1,0 +1,52 @@
+"""`DetectorSuite`: the detectors a config enables, run in a fixed order on each point."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainguard.config import GuardConfig
+from trainguard.detectors.base import Detector, MetricPoint
+from trainguard.detectors.gradients import (
+    GradExplosionDetector,
+    GradSpikeDetector,
+    VanishingGradientDetector,
+)
+from trainguard.detectors.health import HealthThresholdDetector
+from trainguard.detectors.loss_spike import LossSpikeDetector
+from trainguard.detectors.nonfinite import NonFiniteDetector
+from trainguard.detectors.trends import DivergenceDetector, OscillationDetector, StallDetector
+from trainguard.events import Event
+
+
+class DetectorSuite:
+    """Runs every enabled detector on a `MetricPoint`; the same code online and offline."""
+
+    def __init__(self, config: GuardConfig | None = None) -> None:
+        cfg = config or GuardConfig()
+        detectors: list[Detector] = [NonFiniteDetector(cfg.overflow)]
+        optional: list[tuple[bool, Detector]] = [
+            (cfg.loss_spike.enabled, LossSpikeDetector(cfg.loss_spike)),
+            (cfg.grad_spike.enabled, GradSpikeDetector(cfg.grad_spike)),
+            (cfg.grad_explosion.enabled, GradExplosionDetector(cfg.grad_explosion)),
+            (cfg.vanishing.enabled, VanishingGradientDetector(cfg.vanishing)),
+            (cfg.stall.enabled, StallDetector(cfg.stall)),
+            (cfg.divergence.enabled, DivergenceDetector(cfg.divergence)),
+            (cfg.oscillation.enabled, OscillationDetector(cfg.oscillation)),
+            (cfg.health.enabled, HealthThresholdDetector(cfg.health)),
+        ]
+        detectors.extend(d for enabled, d in optional if enabled)
+        self.detectors = detectors
+
+    def update(self, point: MetricPoint) -> list[Event]:
+        events: list[Event] = []
+        for detector in self.detectors:
+            events.extend(detector.update(point))
+        return events
+
+    def state_dict(self) -> dict[str, Any]:
+        return {d.name: d.state_dict() for d in self.detectors}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for d in self.detectors:
+            if d.name in state:
+                d.load_state_dict(state[d.name])

@@ -1,0 +1,105 @@
+"""Events, decisions and the errors a run can end with."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Severity = Literal["info", "warning", "critical"]
+Action = Literal["step", "skip", "halt"]
+SpikeType = Literal["gradient_explosion", "data_toxicity", "optimizer", "architecture"]
+
+EVENT_KINDS: tuple[str, ...] = (
+    "loss_spike",
+    "spike_classified",
+    "grad_spike",
+    "nonfinite",
+    "fp16_overflow",
+    "grad_explosion",
+    "vanishing_gradients",
+    "stall",
+    "divergence",
+    "oscillation",
+    "health",
+    "halt",
+)
+SPIKE_TYPES: tuple[str, ...] = ("gradient_explosion", "data_toxicity", "optimizer", "architecture")
+SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
+
+
+def _utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _json_number(value: Any) -> Any:
+    """Map non-finite floats to strings so every event stays valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {str(k): _json_number(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_number(v) for v in value]
+    return value
+
+
+@dataclass
+class Event:
+    """One thing a detector saw at one step; the policy fills in `action`."""
+
+    step: int
+    kind: str
+    severity: Severity
+    message: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+    type: SpikeType | None = None
+    confidence: float | None = None
+    action: Action | None = None
+    time: str = field(default_factory=_utc_now)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The event as one JSON-ready object, in the schema of `events.jsonl`."""
+        return {
+            "step": self.step,
+            "time": self.time,
+            "kind": self.kind,
+            "severity": self.severity,
+            "type": self.type,
+            "confidence": self.confidence,
+            "message": self.message,
+            "metrics": _json_number(self.metrics),
+            "action": self.action,
+        }
+
+
+@dataclass
+class Decision:
+    """What the guard did at one step, with the events raised there and the step's figures."""
+
+    step: int
+    action: Action
+    events: list[Event] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+    @property
+    def skipped(self) -> bool:
+        return self.action == "skip"
+
+
+class TrainguardError(Exception):
+    """A usage or input error, with a one-line message that says what to do."""
+
+
+class ConfigError(TrainguardError):
+    """A configuration file or value that cannot be used."""
+
+
+class TrainingHalted(RuntimeError):
+    """Raised by `Guard.step` when the policy halts the run; carries the diagnosis."""
+
+    def __init__(self, diagnosis: str, decision: Decision) -> None:
+        super().__init__(diagnosis)
+        self.diagnosis = diagnosis
+        self.decision = decision

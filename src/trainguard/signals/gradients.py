@@ -1,0 +1,288 @@
+"""`GradientStats`: fused per-step gradient, parameter and update statistics for one optimizer.
+
+Everything is computed on the device with multi-tensor (`torch._foreach_*`) kernels and packed into
+one tensor that crosses to the host once per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainguard.events import TrainguardError
+from trainguard.signals.layer_groups import LayerGroups
+
+FIRST_NONFINITE = 10
+_HEAD = 5  # loss, grad norm, non-finite count, loss scale, scaler found-inf
+
+
+@dataclass
+class StepSignals:
+    """Host-side figures of one step, as measured by `GradientStats`."""
+
+    loss: float
+    grad_norm: float
+    nonfinite_grads: int
+    nonfinite_params: list[str]
+    group_grad_norms: dict[str, float]
+    lrs: list[float]
+    loss_scale: float | None = None
+    overflow: bool = False
+    param_norm: float | None = None
+    update_norm: float | None = None
+    update_ratio: float | None = None
+    update_step: int | None = None
+    group_update_ratios: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Layout:
+    """Which parameters have gradients this step, their layer groups and device slices."""
+
+    present: tuple[int, ...] | None
+    group_index: torch.Tensor
+    slices: list[tuple[int, int]]
+
+
+@dataclass
+class Measurement:
+    """Device tensors of one step, before the single transfer to the host."""
+
+    grads: list[torch.Tensor]
+    total_norm: torch.Tensor
+    packed: torch.Tensor
+    present: tuple[int, ...] | None
+    n_first: int
+    lrs: list[Any]
+    has_scaler: bool
+    pending_step: int | None
+
+
+class GradientStats:
+    """Measures loss, gradient norms (global and per layer group), non-finite gradients, loss scale
+    and, every `stats_every` steps, parameter norms and the update ratio ||dtheta||/||theta||."""
+
+    def __init__(
+        self,
+        model: nn.Module | None,
+        optimizer: torch.optim.Optimizer,
+        group_patterns: Sequence[str],
+        stats_every: int = 10,
+    ) -> None:
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        params: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        if not params:
+            raise TrainguardError(
+                "the optimizer has no parameters; build it from model.parameters()"
+            )
+        order = sorted(range(len(params)), key=lambda i: str(params[i].device))
+        self.params = [params[i] for i in order]
+        self.names = [
+            names.get(id(p), f"param.{i}") for i, p in zip(order, self.params, strict=True)
+        ]
+        self.device = self.params[0].device
+        self.groups = LayerGroups(self.names, group_patterns)
+        self.stats_every = stats_every
+        self._group_index_all = torch.tensor(self.groups.index, device=self.device)
+        self._layouts: dict[tuple[int, ...] | None, _Layout] = {}
+        self._full = self._make_layout(None)
+        self._prev_params: list[torch.Tensor] | None = None
+        self._pending: tuple[int, torch.Tensor] | None = None
+
+    # -- layout ---------------------------------------------------------------------------
+    def _make_layout(self, present: tuple[int, ...] | None) -> _Layout:
+        indices = list(range(len(self.params))) if present is None else list(present)
+        devices = [self.params[i].device for i in indices]
+        slices: list[tuple[int, int]] = []
+        start = 0
+        for k in range(1, len(indices) + 1):
+            if k == len(indices) or devices[k] != devices[start]:
+                slices.append((start, k))
+                start = k
+        group_index = self._group_index_all[torch.tensor(indices, device=self.device)]
+        layout = _Layout(present=present, group_index=group_index, slices=slices)
+        self._layouts[present] = layout
+        return layout
+
+    def _norms(self, tensors: list[torch.Tensor], layout: _Layout) -> torch.Tensor:
+        parts = [
+            torch.stack(torch._foreach_norm(tensors[a:b], 2, dtype=torch.float32)).to(self.device)
+            for a, b in layout.slices
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _group_norms(self, sq: torch.Tensor, layout: _Layout) -> torch.Tensor:
+        out = torch.zeros(len(self.groups), device=self.device, dtype=torch.float32)
+        return out.index_add_(0, layout.group_index, sq).sqrt_()
+
+    # -- per step -------------------------------------------------------------------------
+    @torch.no_grad()
+    def measure(
+        self,
+        loss: torch.Tensor | float,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> Measurement:
+        """Launch the step's statistics on the device; nothing crosses to the host yet."""
+        all_grads = [p.grad for p in self.params]
+        grads = [g for g in all_grads if g is not None]
+        if len(grads) == len(all_grads):
+            layout = self._full
+        else:
+            if not grads:
+                raise TrainguardError(
+                    "no parameter has a gradient: call loss.backward() before guard.step()"
+                )
+            present = tuple(i for i, g in enumerate(all_grads) if g is not None)
+            layout = self._layouts.get(present) or self._make_layout(present)
+        norms = self._norms(grads, layout)
+        sq = norms.square()
+        total = sq.sum().sqrt()
+        nonfinite = (~torch.isfinite(norms)).to(torch.float32)
+        n_first = min(FIRST_NONFINITE, nonfinite.numel())
+        first = torch.sort(nonfinite, descending=True, stable=True).indices[:n_first]
+
+        head = [_loss_tensor(loss, self.device), total, nonfinite.sum()]
+        has_scaler = scaler is not None and scaler.is_enabled()
+        scale, found_inf = _scaler_state(scaler, optimizer) if has_scaler else (None, None)
+        head.append(scale if scale is not None else torch.zeros((), device=self.device))
+        head.append(found_inf if found_inf is not None else torch.zeros((), device=self.device))
+        pieces = [torch.stack([h.to(self.device, torch.float32).reshape(()) for h in head])]
+        pieces.append(first.to(torch.float32))
+        pieces.append(self._group_norms(sq, layout))
+        pending_step = None
+        if self._pending is not None:
+            pending_step, pending = self._pending
+            pieces.append(pending)
+            self._pending = None
+        lrs: list[Any] = [g["lr"] for g in optimizer.param_groups]
+        lr_tensors = [lr for lr in lrs if isinstance(lr, torch.Tensor)]
+        if lr_tensors:
+            pieces.append(torch.stack([t.to(self.device, torch.float32) for t in lr_tensors]))
+        return Measurement(
+            grads=grads,
+            total_norm=total,
+            packed=torch.cat(pieces),
+            present=layout.present,
+            n_first=n_first,
+            lrs=lrs,
+            has_scaler=has_scaler,
+            pending_step=pending_step,
+        )
+
+    def resolve(self, m: Measurement) -> StepSignals:
+        """Bring the packed statistics to the host: the step's one device-to-host transfer."""
+        values: list[float] = m.packed.tolist()
+        loss, total, count, scale, found_inf = values[:_HEAD]
+        pos = _HEAD
+        first = [int(i) for i in values[pos : pos + m.n_first]]
+        pos += m.n_first
+        n_groups = len(self.groups)
+        group_norms = values[pos : pos + n_groups]
+        pos += n_groups
+        names: list[str] = []
+        n_bad = int(count)
+        for i in first[:n_bad]:
+            index = m.present[i] if m.present is not None else i
+            names.append(self.names[index])
+        signals = StepSignals(
+            loss=loss,
+            grad_norm=total,
+            nonfinite_grads=n_bad,
+            nonfinite_params=names,
+            group_grad_norms=dict(zip(self.groups.group_names, group_norms, strict=True)),
+            lrs=[],
+            loss_scale=scale if m.has_scaler else None,
+            overflow=bool(found_inf > 0) if m.has_scaler else False,
+        )
+        if m.pending_step is not None:
+            p_norm, u_norm = values[pos], values[pos + 1]
+            gp = values[pos + 2 : pos + 2 + n_groups]
+            gu = values[pos + 2 + n_groups : pos + 2 + 2 * n_groups]
+            pos += 2 + 2 * n_groups
+            signals.param_norm = p_norm
+            signals.update_norm = u_norm
+            signals.update_ratio = u_norm / p_norm if p_norm > 0 else math.inf
+            signals.update_step = m.pending_step
+            signals.group_update_ratios = {
+                name: (u / p if p > 0 else 0.0)
+                for name, p, u in zip(self.groups.group_names, gp, gu, strict=True)
+            }
+        lr_values = iter(values[pos:])
+        signals.lrs = [
+            next(lr_values) if isinstance(lr, torch.Tensor) else float(lr) for lr in m.lrs
+        ]
+        return signals
+
+    # -- around the optimizer step ---------------------------------------------------------
+    @torch.no_grad()
+    def before_optimizer_step(self, step: int) -> None:
+        """On sampling steps, keep a copy of the parameters to measure the update against."""
+        if self.stats_every and step % self.stats_every == 0:
+            self._prev_params = list(torch._foreach_mul(self.params, 1.0))
+
+    @torch.no_grad()
+    def after_optimizer_step(self, step: int) -> None:
+        """Measure parameter and update norms on the device; they reach the host next step."""
+        prev = self._prev_params
+        if prev is None:
+            return
+        self._prev_params = None
+        torch._foreach_sub_(prev, self.params)
+        upd = self._norms(prev, self._full)
+        par = self._norms(self.params, self._full)
+        del prev
+        usq, psq = upd.square(), par.square()
+        self._pending = (
+            step,
+            torch.cat(
+                [
+                    psq.sum().sqrt().reshape(1),
+                    usq.sum().sqrt().reshape(1),
+                    self._group_norms(psq, self._full),
+                    self._group_norms(usq, self._full),
+                ]
+            ),
+        )
+
+    def discard_update(self) -> None:
+        """Forget the parameter copy of a step that was skipped."""
+        self._prev_params = None
+
+
+def _loss_tensor(loss: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise TrainguardError(
+                f"guard.step needs the scalar loss, got a tensor of shape {tuple(loss.shape)}; "
+                "reduce it (e.g. loss.mean()) first"
+            )
+        return loss.detach().reshape(())
+    return torch.tensor(float(loss), device=device)
+
+
+def _scaler_state(
+    scaler: Any, optimizer: torch.optim.Optimizer
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The scaler's current scale and whether its last unscale found inf/NaN, as device tensors."""
+    scale = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else None
+    found: torch.Tensor | None = None
+    try:
+        per_device = scaler._found_inf_per_device(optimizer)
+    except (AttributeError, KeyError):
+        per_device = {}
+    for t in per_device.values():
+        t = t.reshape(()).to(torch.float32)
+        found = t if found is None else found + t.to(found.device)
+    return scale, found

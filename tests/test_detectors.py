@@ -1,0 +1,349 @@
+"""Each detector on synthetic streams: flagged where planted, quiet where not, state round trips."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+import trainguard as tg
+from helpers import lm_curve
+from trainguard.config import (
+    DivergenceConfig,
+    GradExplosionConfig,
+    HealthConfig,
+    LossSpikeConfig,
+    OscillationConfig,
+    StallConfig,
+    VanishingConfig,
+)
+from trainguard.detectors import (
+    DetectorSuite,
+    DivergenceDetector,
+    GradExplosionDetector,
+    GradSpikeDetector,
+    HealthThresholdDetector,
+    LossSpikeDetector,
+    MetricPoint,
+    NonFiniteDetector,
+    OscillationDetector,
+    StallDetector,
+    VanishingGradientDetector,
+)
+from trainguard.detectors.base import Detector
+
+
+def feed(detector: Detector | DetectorSuite, losses, grads=None, lrs=None, start: int = 0):
+    events = []
+    for i, loss in enumerate(losses):
+        point = MetricPoint(
+            step=start + i,
+            loss=float(loss),
+            grad_norm=None if grads is None else float(grads[i]),
+            lr=None if lrs is None else float(lrs[i]),
+        )
+        events += detector.update(point)
+    return events
+
+
+def kinds(events, severity_at_least: str = "info"):
+    rank = {"info": 0, "warning": 1, "critical": 2}
+    return [(e.step, e.kind) for e in events if rank[e.severity] >= rank[severity_at_least]]
+
+
+# -- loss spikes -----------------------------------------------------------------------------
+
+
+def test_loss_spike_flagged_at_planted_step_only():
+    y = lm_curve(6000, seed=1)
+    y[4000] *= 1.5
+    events = feed(LossSpikeDetector(), y)
+    spikes = [e for e in events if e.kind == "loss_spike"]
+    assert [e.step for e in spikes] == [4000]
+    spike = spikes[0]
+    assert spike.metrics["z_score"] > 10
+    assert spike.metrics["ratio"] == pytest.approx(1.5, rel=0.1)
+    assert spike.type in tg.events.SPIKE_TYPES and 0 < spike.confidence <= 1
+
+
+def test_loss_spike_works_early_while_loss_falls_fast():
+    y = lm_curve(200, seed=2, start=10.0)
+    assert y[40] < 0.8 * y[0]  # the loss really is falling fast here
+    y[40] = y[39] * 1.6
+    events = feed(LossSpikeDetector(), y)
+    assert [e.step for e in events if e.kind == "loss_spike"] == [40]
+
+
+def test_ratio_rule_catches_gross_jump_even_with_wide_noise():
+    rng = np.random.default_rng(3)
+    y = 3.0 + 0.4 * rng.standard_normal(500)  # noisy: 10 sigma is above 2x
+    y[300] = 3.0 * 2.5
+    events = feed(LossSpikeDetector(), y)
+    spikes = [e for e in events if e.kind == "loss_spike"]
+    assert [e.step for e in spikes] == [300]
+    assert spikes[0].metrics["rule"] == "ratio"
+
+
+def test_spikes_never_enter_the_baseline():
+    y = lm_curve(1000, seed=4)
+    y[500] *= 3.0
+    det = LossSpikeDetector()
+    feed(det, y[:501])
+    assert max(det.window) < 2 * float(np.median(y[400:500]))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_no_false_alarm_over_100k_steps_of_heavy_tailed_noise_and_warm_restarts(seed):
+    """Student-t (5 dof, kurtosis 9) batch noise, heavier than any healthy public run in
+    shared/curves, plus two LR warm restarts, with the LR stream given as it would be."""
+    steps = 100_000
+    restarts = (30_000, 60_000)
+    y = lm_curve(steps, seed=seed, dof=5.0, noise=0.02, restarts=restarts)
+    lr = np.full(steps, 1e-4)
+    for r in restarts:
+        lr[r:] = 3e-4
+    events = feed(DetectorSuite(tg.GuardConfig()), y, lrs=lr)
+    assert kinds(events, "warning") == []
+
+
+def test_restart_rise_is_not_a_spike_without_lr_either():
+    y = lm_curve(20_000, seed=5, restarts=(10_000,), restart_rise=0.3)
+    events = feed(LossSpikeDetector(), y)
+    assert [e for e in events if e.kind == "loss_spike"] == []
+
+
+def _follow_up(events):
+    return [e for e in events if e.kind == "spike_classified"]
+
+
+def test_spike_type_data_toxicity_when_loss_recovers_at_once():
+    y = lm_curve(3000, seed=6)
+    g = np.full(3000, 0.5)
+    y[2000] *= 2.5
+    g[2000] = 4.0
+    events = feed(LossSpikeDetector(), y, grads=g)
+    (spike,) = [e for e in events if e.kind == "loss_spike"]
+    assert spike.type == "data_toxicity"
+    (final,) = _follow_up(events)
+    assert final.type == "data_toxicity" and final.confidence >= 0.9
+    assert final.metrics["spike_step"] == 2000 and final.metrics["recovered_after"] == 1
+
+
+def test_spike_type_gradient_explosion_when_it_jumps_and_stays_high():
+    y = lm_curve(3000, seed=7)
+    g = np.full(3000, 0.5)
+    y[2000:] *= 2.0
+    g[2000:] = 3.0
+    events = feed(LossSpikeDetector(), y, grads=g)
+    spikes = [e for e in events if e.kind == "loss_spike"]
+    assert [e.step for e in spikes] == [2000]  # one incident, not one event per step
+    (final,) = _follow_up(events)
+    assert final.type == "gradient_explosion" and final.confidence >= 0.8
+    assert final.metrics["previous_type"] == "data_toxicity"
+
+
+def test_spike_type_gradient_explosion_at_once_when_grad_norm_builds_up():
+    y = lm_curve(3000, seed=8)
+    g = np.full(3000, 0.5)
+    g[1996:2001] = [0.8, 1.3, 2.0, 3.5, 6.0]
+    y[2000:] *= 1.8
+    events = feed(LossSpikeDetector(), y, grads=g)
+    (spike,) = [e for e in events if e.kind == "loss_spike"]
+    assert spike.type == "gradient_explosion"
+
+
+def test_spike_type_optimizer_when_loss_swings_periodically():
+    t = np.arange(3000)
+    y = (
+        2.0
+        + 0.15 * np.sin(2 * np.pi * t / 16)
+        + 0.002 * np.random.default_rng(9).standard_normal(3000)
+    )
+    y[2004] = 4.5  # at a crest of the swing
+    events = feed(LossSpikeDetector(), y)
+    (spike,) = [e for e in events if e.kind == "loss_spike"]
+    assert spike.type == "optimizer"
+
+
+def test_spike_type_architecture_after_a_steady_rise():
+    rng = np.random.default_rng(10)
+    y = np.concatenate([2.0 + 0.01 * rng.standard_normal(500), 2.0 + 0.004 * np.arange(100)])
+    y = y + 0.005 * rng.standard_normal(len(y))
+    y = np.append(y, [y[-1] * 1.6] * 10)
+    events = feed(LossSpikeDetector(), y)
+    (spike,) = [e for e in events if e.kind == "loss_spike"]
+    assert spike.type == "architecture"
+    (final,) = _follow_up(events)
+    assert final.type == "architecture"
+
+
+# -- gradients ---------------------------------------------------------------------------------
+
+
+def test_grad_spike_flagged_at_planted_step():
+    rng = np.random.default_rng(11)
+    g = 1.0 + 0.1 * rng.standard_normal(1000)
+    g[700] = 8.0
+    events = feed(GradSpikeDetector(), np.full(1000, 2.0), grads=g)
+    assert [(e.step, e.kind) for e in events] == [(700, "grad_spike")]
+    assert events[0].metrics["ratio"] > 5
+
+
+def test_grad_spike_absolute_limit_is_off_by_default_and_works_when_set():
+    g = np.full(100, 3.0)
+    assert feed(GradSpikeDetector(), np.full(100, 2.0), grads=g) == []
+    det = GradSpikeDetector(tg.config.GradSpikeConfig(abs_limit=2.5))
+    events = feed(det, np.full(100, 2.0), grads=g)
+    assert [e.step for e in events] == [0]
+
+
+def test_grad_explosion_on_consecutive_growth():
+    g = np.concatenate([np.full(50, 1.0), 1.0 * 1.8 ** np.arange(1, 8), np.full(20, 1.0)])
+    events = feed(GradExplosionDetector(), np.full(len(g), 2.0), grads=g)
+    assert len(events) == 1 and events[0].kind == "grad_explosion"
+    assert events[0].step == 50 + 4  # growth_steps=5 consecutive rises reaching 10x
+    quiet = feed(GradExplosionDetector(), np.full(200, 2.0), grads=1 + np.arange(200) * 0.01)
+    assert quiet == []
+
+
+def test_grad_explosion_absolute_limit():
+    det = GradExplosionDetector(GradExplosionConfig(abs_limit=10.0))
+    events = feed(det, np.full(10, 1.0), grads=[1, 1, 1, 50, 60, 1, 1, 70, 1, 1])
+    assert [(e.step, e.severity) for e in events] == [(3, "critical"), (7, "critical")]
+
+
+def test_vanishing_gradients_names_the_right_group():
+    det = VanishingGradientDetector(VanishingConfig(reference_steps=20, patience=10))
+    events = []
+    for step in range(200):
+        groups = {"tok_emb": 0.3, "blocks.0": 0.5, "blocks.1": 0.4, "head": 0.2}
+        if step >= 100:
+            groups["blocks.0"] = 0.5 * 1e-5
+        if step >= 150:
+            groups["head"] = 1e-10  # under the absolute floor
+        events += det.update(
+            MetricPoint(step=step, loss=2.0, grad_norm=1.0, group_grad_norms=groups)
+        )
+    assert [(e.step, e.metrics["groups"]) for e in events] == [(109, ["blocks.0"]), (159, ["head"])]
+    assert "blocks.0" in events[0].message
+
+
+def test_nonfinite_loss_and_grads():
+    det = NonFiniteDetector()
+    (e,) = det.update(MetricPoint(step=3, loss=math.nan, grad_norm=math.nan))
+    assert e.kind == "nonfinite" and e.severity == "critical"
+    names = [f"p{i}" for i in range(10)]
+    (e,) = det.update(
+        MetricPoint(
+            step=4, loss=2.0, grad_norm=math.inf, nonfinite_grads=12, nonfinite_params=names
+        )
+    )
+    assert "12 parameter(s)" in e.message and "p0" in e.message and "2 more" in e.message
+    assert det.update(MetricPoint(step=5, loss=2.0, grad_norm=1.0)) == []
+
+
+def test_fp16_overflow_is_info_until_it_persists_or_the_scale_collapses():
+    det = NonFiniteDetector(tg.config.OverflowConfig(patience=5, min_loss_scale=1.0))
+    ev = [
+        det.update(MetricPoint(step=i, loss=2.0, overflow=True, loss_scale=2.0**16 / 2**i))
+        for i in range(6)
+    ]
+    assert [e[0].kind for e in ev] == ["fp16_overflow"] * 4 + ["nonfinite"] * 2
+    det = NonFiniteDetector()
+    (e,) = det.update(MetricPoint(step=0, loss=2.0, overflow=True, loss_scale=0.5))
+    assert e.kind == "nonfinite" and "scale fell" in e.message
+
+
+# -- trends ------------------------------------------------------------------------------------
+
+
+def test_stall_on_a_flat_curve_and_not_while_learning():
+    rng = np.random.default_rng(12)
+    flat = 2.0 * (1 + 0.02 * rng.standard_normal(5000))
+    events = feed(StallDetector(), flat)
+    assert [e.kind for e in events] == ["stall"]  # once per plateau
+    assert events[0].step == 1999
+    learning = lm_curve(3000, seed=13)
+    assert feed(StallDetector(StallConfig(window=1000)), learning) == []
+
+
+def test_divergence_on_a_steady_rise():
+    rng = np.random.default_rng(14)
+    y = np.concatenate([lm_curve(2000, seed=14), 2.6 + 0.003 * np.arange(600)])
+    y[2000:] *= 1 + 0.01 * rng.standard_normal(600)
+    events = feed(DivergenceDetector(), y)
+    assert len(events) == 1 and events[0].kind == "divergence"
+    assert 2000 < events[0].step < 2600 and events[0].severity == "critical"
+    assert feed(DivergenceDetector(), lm_curve(5000, seed=15)) == []
+
+
+def test_divergence_quiet_on_a_warm_restart_with_the_lr_given():
+    steps = 6000
+    y = lm_curve(steps, seed=16, restarts=(3000,), restart_rise=0.4, restart_len=800)
+    lr = np.where(np.arange(steps) >= 3000, 1e-3, 1e-4)
+    cfg = DivergenceConfig(window=200)
+    assert feed(DivergenceDetector(cfg), y, lrs=lr) == []
+    assert len(feed(DivergenceDetector(cfg), y)) == 1  # the same rise, unexplained by the LR
+
+
+def test_oscillation_growing_but_not_steady():
+    t = np.arange(1000)
+    rng = np.random.default_rng(17)
+    noise = 0.005 * rng.standard_normal(1000)
+    growing = 2.0 + 0.01 * np.exp(t / 250) * np.sin(2 * np.pi * t / 20) + noise
+    events = feed(OscillationDetector(), growing)
+    assert events and events[0].kind == "oscillation"
+    assert events[0].metrics["period"] == pytest.approx(20, abs=1)
+    steady = 2.0 + 0.1 * np.sin(2 * np.pi * t / 20) + noise
+    assert feed(OscillationDetector(OscillationConfig()), steady) == []
+
+
+def test_health_preset_is_opt_in():
+    y = np.full(20, 6.0)
+    y[10] = 12.0
+    assert kinds(feed(DetectorSuite(tg.GuardConfig()), y)) == []
+    det = HealthThresholdDetector(HealthConfig(enabled=True))
+    events = feed(det, y, grads=np.full(20, 0.5))
+    assert [(e.step, e.severity) for e in events] == [(0, "warning"), (10, "critical")]
+
+
+# -- state -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: LossSpikeDetector(LossSpikeConfig()),
+        lambda: GradSpikeDetector(),
+        lambda: GradExplosionDetector(),
+        lambda: StallDetector(StallConfig(window=400)),
+        lambda: DivergenceDetector(DivergenceConfig(window=200)),
+        lambda: OscillationDetector(),
+        lambda: HealthThresholdDetector(HealthConfig(enabled=True)),
+        lambda: NonFiniteDetector(),
+        lambda: DetectorSuite(tg.GuardConfig()),
+    ],
+)
+def test_state_dict_round_trip_continues_identically(make):
+    rng = np.random.default_rng(18)
+    y = lm_curve(6000, seed=18)
+    y[[1500, 4500]] *= 2.5
+    y[3000:3400] += np.linspace(0, 1.0, 400)
+    g = 1 + 0.1 * rng.standard_normal(6000)
+    g[[1500, 4600]] = 20.0
+    g[5000:5006] = [2, 4, 8, 16, 32, 64]
+    lr = np.full(6000, 1e-3)
+    first = make()
+    feed(first, y[:2500], g[:2500], lr[:2500])
+    state = json.loads(json.dumps(first.state_dict()))  # plain data only
+    second = make()
+    second.load_state_dict(state)
+    a = feed(first, y[2500:], g[2500:], lr[2500:], start=2500)
+    b = feed(second, y[2500:], g[2500:], lr[2500:], start=2500)
+    assert [(e.step, e.kind, e.type, e.message) for e in a] == [
+        (e.step, e.kind, e.type, e.message) for e in b
+    ]
+    if isinstance(first, (LossSpikeDetector, DetectorSuite)):
+        assert any(e.kind == "loss_spike" for e in a)  # the continuation did see incidents
