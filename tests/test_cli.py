@@ -1,0 +1,57 @@
+"""The installed `trainguard` command, run as a user runs it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+
+from helpers import read_jsonl
+from trainguard.sinks import load_schema
+
+EXE = shutil.which("trainguard", path=str(Path(sys.executable).parent))
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    assert EXE, "the trainguard console script is not installed in this environment"
+    return subprocess.run(
+        [EXE, *args], capture_output=True, text=True, timeout=300, cwd=cwd, check=False
+    )
+
+
+def test_help_and_version():
+    out = run("--help")
+    assert out.returncode == 0 and "demo" in out.stdout
+    assert run("version").stdout.strip() == "0.1.0"
+
+
+def test_config_prints_defaults_and_checks_files(tmp_path):
+    out = run("config")
+    assert out.returncode == 0 and "z_threshold: 10.0" in out.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("loss_spike:\n  nope: 1\n")
+    out = run("config", str(bad))
+    assert out.returncode == 2
+    assert out.stderr.startswith("error:") and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) <= 2  # one logical line, maybe wrapped
+
+
+def test_demo_detects_and_skips_the_planted_incidents(tmp_path):
+    out = run("demo", "--steps", "150", "--run-dir", str(tmp_path / "demo"))
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "toxic batch at step 60: detected at step 60 as loss_spike" in text
+    assert "LR blow-up from step 105: detected at step" in text
+    events = read_jsonl(tmp_path / "demo" / "events.jsonl")
+    for event in events:
+        jsonschema.validate(event, load_schema("events"))
+    assert (60, "loss_spike", "skip") in [(e["step"], e["kind"], e["action"]) for e in events]
+    assert len(read_jsonl(tmp_path / "demo" / "metrics.jsonl")) == 150
+
+
+def test_demo_rejects_too_few_steps(tmp_path):
+    out = run("demo", "--steps", "10", "--run-dir", str(tmp_path))
+    assert out.returncode == 2 and "at least 100 steps" in out.stderr
