@@ -78,11 +78,8 @@ class Guard:
 
     # -- the training loop ------------------------------------------------------------------
     def step(self, loss: torch.Tensor | float, batch_ids: Iterable[Any] | None = None) -> Decision:
-        """Measure this step's gradients, run the detectors, and step, skip or halt.
-
-        Call after `loss.backward()` (with a GradScaler, after `scaler.scale(loss).backward()`,
-        passing the unscaled loss). Raises `TrainingHalted` when the policy halts.
-        """
+        """Measure this step's gradients after `loss.backward()`, run the detectors, and step,
+        skip or halt (raising `TrainingHalted`); with a GradScaler pass the unscaled loss."""
         if self.stats is None or self.actions is None or self.optimizer is None:
             raise TrainguardError(
                 "guard.step needs an optimizer: build Guard(model, optimizer, ...), "

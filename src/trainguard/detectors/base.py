@@ -56,7 +56,9 @@ class Detector:
         for key in self._state:
             current = getattr(self, key)
             value = state[key]
-            if isinstance(current, deque):
+            if isinstance(current, StateParts):
+                current.load_state_dict(value)
+            elif isinstance(current, deque):
                 setattr(self, key, deque(value, maxlen=current.maxlen))
             elif isinstance(current, dict) and isinstance(value, dict):
                 setattr(self, key, _import_dict(value))
@@ -85,7 +87,68 @@ class Detector:
         )
 
 
+class StateParts:
+    """A piece of detector state with its own plain-data `state_dict`."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: _export(v) for k, v in vars(self).items() if not k.startswith("_")}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            current = getattr(self, key)
+            setattr(
+                self,
+                key,
+                deque(value, maxlen=current.maxlen) if isinstance(current, deque) else value,
+            )
+
+
+class SpikeRun(StateParts):
+    """Consecutive steps outside the baseline, one incident; after `limit` of them their values
+    are the new baseline (the level has shifted)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = False
+        self.length = 0
+        self.values: deque[float] = deque(maxlen=limit)
+
+    def start(self, value: float) -> None:
+        self.active = True
+        self.length = 1
+        self.values.clear()
+        self.values.append(value)
+
+    def extend(self, value: float) -> list[float] | None:
+        """Count one more step of the incident; the values to rebaseline on once it lasted."""
+        self.length += 1
+        self.values.append(value)
+        return list(self.values) if self.length >= self.limit else None
+
+    def end(self) -> None:
+        self.active = False
+        self.length = 0
+
+
+class Blocks(StateParts):
+    """Collects a stream into blocks of `size` values."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.values: list[float] = []
+
+    def add(self, value: float) -> list[float] | None:
+        """Add a value; the completed block when this value fills it."""
+        self.values.append(value)
+        if len(self.values) < self.size:
+            return None
+        block, self.values = self.values, []
+        return block
+
+
 def _export(value: Any) -> Any:
+    if isinstance(value, StateParts):
+        return value.state_dict()
     if isinstance(value, deque):
         return list(value)
     if isinstance(value, dict):

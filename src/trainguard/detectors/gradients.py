@@ -8,7 +8,7 @@ from collections import deque
 from typing import Any
 
 from trainguard.config import GradExplosionConfig, GradSpikeConfig, VanishingConfig
-from trainguard.detectors.base import Detector, MetricPoint, fmt
+from trainguard.detectors.base import Detector, MetricPoint, SpikeRun, fmt
 from trainguard.detectors.stats import mean, median
 from trainguard.events import Event, Severity
 
@@ -24,15 +24,12 @@ class GradSpikeDetector(Detector):
     taken as the new level."""
 
     name = "grad_spike"
-    _state = ("window", "in_spike", "spike_run", "elevated")
+    _state = ("window", "run")
 
     def __init__(self, config: GradSpikeConfig | None = None) -> None:
         self.config = config or GradSpikeConfig()
-        self.rebaseline_after = max(self.config.window // 4, 2)
         self.window: deque[float] = deque(maxlen=self.config.window)
-        self.in_spike = False
-        self.spike_run = 0
-        self.elevated: deque[float] = deque(maxlen=self.rebaseline_after)
+        self.run = SpikeRun(max(self.config.window // 4, 2))
 
     def update(self, point: MetricPoint) -> list[Event]:
         g = _finite_grad(point)
@@ -44,24 +41,18 @@ class GradSpikeDetector(Detector):
         over_ratio = ratio is not None and ratio > cfg.ratio_threshold
         over_abs = cfg.abs_limit is not None and g > cfg.abs_limit
         if not (over_ratio or over_abs):
-            self.in_spike = False
-            self.spike_run = 0
+            self.run.end()
             self.window.append(g)
             return []
-        if self.in_spike:
-            self.spike_run += 1
-            self.elevated.append(g)
-            if self.spike_run >= self.rebaseline_after:
+        if self.run.active:
+            new_level = self.run.extend(g)
+            if new_level is not None:
                 self.window.clear()
-                self.window.extend(self.elevated)
+                self.window.extend(new_level)
                 if not over_abs:  # an absolute limit stays one incident while it is exceeded
-                    self.in_spike = False
-                    self.spike_run = 0
+                    self.run.end()
             return []
-        self.in_spike = True
-        self.spike_run = 1
-        self.elevated.clear()
-        self.elevated.append(g)
+        self.run.start(g)
         if over_ratio:
             message = f"gradient norm {fmt(g)} is {fmt(ratio)}x its recent mean {fmt(base)}"
         else:

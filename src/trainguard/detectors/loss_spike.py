@@ -9,7 +9,7 @@ from statistics import NormalDist
 from typing import Any
 
 from trainguard.config import LossSpikeConfig
-from trainguard.detectors.base import Detector, MetricPoint, fmt
+from trainguard.detectors.base import Detector, MetricPoint, SpikeRun, fmt
 from trainguard.detectors.stats import (
     detrended,
     dominant_period,
@@ -29,25 +29,22 @@ TAIL_MIN_SAMPLES = 2000
 
 
 class LossSpikeDetector(Detector):
-    """Flags a loss spike: z = (L - level) / noise > `z_threshold` (and more than `min_rel_jump`
-    over the level), or L > `ratio_threshold` x the baseline mean.
+    """Flags a loss more than `z_threshold` noise standard deviations (and `min_rel_jump`) over
+    its recent non-spike level, or over `ratio_threshold` x the recent mean (README: how the
+    level, noise and spike type are estimated)."""
 
-    The baseline holds recent non-spike losses only. The level is the median of the latest few,
-    the noise comes from first differences (the larger of a recent, outlier-resistant estimate and
-    a long-run average), so the rule holds while the loss falls fast early in training. When the
-    noise is heavy-tailed the threshold widens by how far the `tail_quantile` of past |z| lies
-    beyond a Gaussian's. Each spike gets a type and confidence at once, and a `spike_classified`
-    event revises it after `classify_window` steps of follow-up. A loss that stays high for a
-    quarter of the window is taken as the new level.
-    """
+    # The level is the median of the latest `level_window` baseline losses; the noise is the
+    # larger of a recent winsorised estimate from first differences (immune to the fast early
+    # fall) and a long-run average over `noise_horizon`. Heavy tails widen the threshold by how
+    # far the `tail_quantile` of past |z| lies beyond a Gaussian's. A run of spikes lasting a
+    # quarter of the window becomes the new level. `spike_classified` revises the type after
+    # `classify_window` steps.
 
     name = "loss_spike"
     _state = (
         "window",
         "grads",
-        "in_spike",
-        "spike_run",
-        "elevated",
+        "run",
         "watch",
         "noise_var",
         "last",
@@ -58,12 +55,9 @@ class LossSpikeDetector(Detector):
 
     def __init__(self, config: LossSpikeConfig | None = None) -> None:
         self.config = config or LossSpikeConfig()
-        self.rebaseline_after = max(self.config.window // 4, self.config.classify_window + 1)
         self.window: deque[float] = deque(maxlen=self.config.window)
         self.grads: deque[float] = deque(maxlen=self.config.window)
-        self.in_spike = False
-        self.spike_run = 0
-        self.elevated: deque[float] = deque(maxlen=self.rebaseline_after)
+        self.run = SpikeRun(max(self.config.window // 4, self.config.classify_window + 1))
         self.watch: dict[str, Any] | None = None
         self.noise_var: float | None = None
         self.last: float | None = None
@@ -99,24 +93,18 @@ class LossSpikeDetector(Detector):
         z_rule = z > threshold and jump > cfg.min_rel_jump * abs(level)
         ratio_rule = base_mean > 0 and loss > cfg.ratio_threshold * base_mean
         if not (z_rule or ratio_rule):
-            self.in_spike = False
-            self.spike_run = 0
+            self.run.end()
             self._accept(point, z)
             return events
-        if self.in_spike:
-            self.spike_run += 1
-            self.elevated.append(loss)
-            if self.spike_run >= self.rebaseline_after:
+        if self.run.active:
+            new_level = self.run.extend(loss)
+            if new_level is not None:
                 self.window.clear()
-                self.window.extend(self.elevated)
+                self.window.extend(new_level)
                 self.last = loss
-                self.in_spike = False
-                self.spike_run = 0
+                self.run.end()
             return events
-        self.in_spike = True
-        self.spike_run = 1
-        self.elevated.clear()
-        self.elevated.append(loss)
+        self.run.start(loss)
         if self.watch is not None:
             events.append(self._finish(point))
         spike_type, confidence, why = self._classify(point)

@@ -8,12 +8,8 @@ from trainguard.events import Event
 
 
 class NonFiniteDetector(Detector):
-    """NaN/Inf loss or gradients are `nonfinite` (critical), naming the parameters.
-
-    Under a GradScaler an overflow step is `fp16_overflow` (info): the scaler skips it and lowers
-    the scale. It becomes `nonfinite` when the scale falls to `min_loss_scale` or overflow lasts
-    `patience` steps in a row.
-    """
+    """NaN/Inf loss or gradients are `nonfinite` (critical), naming the parameters; a GradScaler
+    overflow is `fp16_overflow` (info) until the scale collapses or overflow persists."""
 
     name = "nonfinite"
     _state = ("overflow_run", "overflow_total")

@@ -9,34 +9,29 @@ from collections import deque
 import numpy as np
 
 from trainguard.config import DivergenceConfig, OscillationConfig, StallConfig
-from trainguard.detectors.base import Detector, MetricPoint, fmt
+from trainguard.detectors.base import Blocks, Detector, MetricPoint, fmt
 from trainguard.detectors.stats import detrended, dominant_period, mann_kendall_z, median
 from trainguard.events import Event
 
 
 class StallDetector(Detector):
-    """Progress over the last `window` steps, from a line fitted to block means, is confidently
-    under `rel_tol` (improvement + 2 standard errors). Info: many runs flatten legitimately.
-    Reported once when a plateau begins, and again only after confident progress."""
+    """Progress over the last `window` steps, from a line fitted to block means, is under
+    `rel_tol` even at two standard errors; info, once per plateau, as many runs flatten."""
 
     name = "stall"
-    _state = ("block", "means", "stalled")
+    _state = ("blocks", "means", "stalled")
 
     def __init__(self, config: StallConfig | None = None) -> None:
         self.config = config or StallConfig()
-        self.block_size = max(self.config.window // self.config.blocks, 1)
-        self.block: list[float] = []
+        self.blocks = Blocks(max(self.config.window // self.config.blocks, 1))
         self.means: deque[float] = deque(maxlen=self.config.blocks)
         self.stalled = False
 
     def update(self, point: MetricPoint) -> list[Event]:
-        if not point.loss_finite:
+        block = self.blocks.add(point.loss) if point.loss_finite else None
+        if block is None:
             return []
-        self.block.append(point.loss)
-        if len(self.block) < self.block_size:
-            return []
-        self.means.append(sum(self.block) / len(self.block))
-        self.block = []
+        self.means.append(sum(block) / len(block))
         if len(self.means) < self.config.blocks:
             return []
         improvement, se = relative_improvement(list(self.means))
@@ -69,32 +64,26 @@ def relative_improvement(means: list[float]) -> tuple[float, float]:
 
 
 class DivergenceDetector(Detector):
-    """The loss rises steadily: a Mann-Kendall trend test over block medians of the last `window`
-    steps, a rise of `min_rel_rise` over the lowest block, and that lowest block in the first half
-    (the rise spans half the window at least). A rise after an LR jump within the last four windows
-    (a warm restart) is not divergence. One event per incident."""
+    """A steady rise over at least half of `window` steps (Mann-Kendall on block medians, and
+    `min_rel_rise` over the lowest block), unless the LR jumped first as in a warm restart."""
 
     name = "divergence"
-    _state = ("block", "medians", "block_lrs", "active")
+    _state = ("blocks", "medians", "block_lrs", "active")
 
     def __init__(self, config: DivergenceConfig | None = None) -> None:
         self.config = config or DivergenceConfig()
-        self.block_size = max(self.config.window // self.config.blocks, 1)
-        self.block: list[float] = []
+        self.blocks = Blocks(max(self.config.window // self.config.blocks, 1))
         self.medians: deque[float] = deque(maxlen=self.config.blocks)
         self.block_lrs: deque[float] = deque(maxlen=4 * self.config.blocks)
         self.active = False
 
     def update(self, point: MetricPoint) -> list[Event]:
-        if not point.loss_finite:
+        block = self.blocks.add(point.loss) if point.loss_finite else None
+        if block is None:
             return []
-        self.block.append(point.loss)
-        if len(self.block) < self.block_size:
-            return []
-        self.medians.append(median(self.block))
+        self.medians.append(median(block))
         if point.lr is not None and math.isfinite(point.lr):
             self.block_lrs.append(point.lr)
-        self.block = []
         if len(self.medians) < self.config.blocks:
             return []
         values = list(self.medians)
