@@ -307,6 +307,7 @@ def test_health_preset_is_opt_in():
     det = HealthThresholdDetector(HealthConfig(enabled=True))
     events = feed(det, y, grads=np.full(20, 0.5))
     assert [(e.step, e.severity) for e in events] == [(0, "warning"), (10, "critical")]
+    assert det.update(MetricPoint(step=20, loss=math.nan, grad_norm=math.inf)) == []
 
 
 # -- state -------------------------------------------------------------------------------------
@@ -347,3 +348,13 @@ def test_state_dict_round_trip_continues_identically(make):
     ]
     if isinstance(first, (LossSpikeDetector, DetectorSuite)):
         assert any(e.kind == "loss_spike" for e in a)  # the continuation did see incidents
+
+
+def test_spike_type_gradient_explosion_when_the_loss_builds_up_just_before():
+    rng = np.random.default_rng(19)
+    y = 3.4 * (1 + 0.01 * rng.standard_normal(600))
+    y[580:596] = 3.4 * np.linspace(1.0, 1.15, 16)  # a short build-up, not a long steady rise
+    y[596] = 5.6
+    events = feed(LossSpikeDetector(), y[:597])
+    (spike,) = [e for e in events if e.kind == "loss_spike"]
+    assert spike.type == "gradient_explosion" and "building up" in spike.message

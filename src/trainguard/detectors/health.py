@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from trainguard.config import HealthConfig
 from trainguard.detectors.base import Detector, MetricPoint, fmt
 from trainguard.events import Event, Severity
@@ -10,8 +12,8 @@ _LEVELS: tuple[Severity, ...] = ("info", "warning", "critical")
 
 
 class HealthThresholdDetector(Detector):
-    """Loss, grad norm and the count of fp16 overflow steps against fixed warn and danger levels;
-    one event each time a signal enters a worse level."""
+    """Finite loss, grad norm and the count of fp16 overflow steps against fixed warn and danger
+    levels; one event each time a signal enters a worse level."""
 
     name = "health"
     _state = ("levels", "overflows")
@@ -25,9 +27,15 @@ class HealthThresholdDetector(Detector):
         cfg = self.config
         if point.overflow:
             self.overflows += 1
+        grad = point.grad_norm  # non-finite values are the NonFiniteDetector's
         checks: list[tuple[str, float | None, float, float]] = [
             ("loss", point.loss if point.loss_finite else None, cfg.loss_warn, cfg.loss_danger),
-            ("grad_norm", point.grad_norm, cfg.grad_norm_warn, cfg.grad_norm_danger),
+            (
+                "grad_norm",
+                grad if grad is not None and math.isfinite(grad) else None,
+                cfg.grad_norm_warn,
+                cfg.grad_norm_danger,
+            ),
             ("overflow", float(self.overflows), cfg.overflow_warn, cfg.overflow_danger),
         ]
         events: list[Event] = []

@@ -21,6 +21,7 @@ from trainguard.detectors.stats import (
 from trainguard.events import Event, Severity, SpikeType
 
 TREND_Z = 3.0  # Mann-Kendall z of the pre-spike losses that reads as a steady rise
+BUILD_UP = 16  # a rise confined to this many steps before the spike is an instability brewing
 PERIOD_ACF = 0.5  # autocorrelation at the dominant period that reads as oscillation
 GRAD_HIGH = 2.0  # grad norm over this x its baseline mean counts as elevated
 Z_BIN = 0.25  # width of the |z| histogram bins that measure how heavy the noise tails are
@@ -180,7 +181,7 @@ class LossSpikeDetector(Detector):
         recent = list(self.window)
         pre = recent[-48:]
         trend = mann_kendall_z(pre)
-        if trend > TREND_Z:
+        if trend > TREND_Z and mann_kendall_z(pre[: len(pre) // 2]) > TREND_Z / 2:
             return (
                 "architecture",
                 0.6,
@@ -194,6 +195,10 @@ class LossSpikeDetector(Detector):
                     0.6,
                     f"the loss was swinging with period {period} steps (autocorrelation {acf:.2f})",
                 )
+        build_up = pre[-BUILD_UP:]
+        if len(build_up) == BUILD_UP and mann_kendall_z(build_up) > TREND_Z:
+            why = f"the loss was building up over the last {BUILD_UP} steps"
+            return "gradient_explosion", 0.55, why
         grads = list(self.grads)
         if len(grads) >= 8 and point.grad_norm is not None:
             base = mean(grads[:-3])

@@ -1,0 +1,55 @@
+"""The detectors on real public loss curves (../shared/curves, see its SOURCES.md)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+import trainguard as tg
+from trainguard.detectors import DetectorSuite, MetricPoint
+
+CURVES = Path(__file__).resolve().parents[2] / "shared" / "curves"
+
+
+def run_suite(name: str) -> list[tg.Event]:
+    path = CURVES / name
+    assert path.is_file(), f"{path} is missing: the shared curves sit beside the checkout"
+    suite = DetectorSuite(tg.GuardConfig())
+    events: list[tg.Event] = []
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            if not row["loss"]:
+                continue
+            grad = float(row["grad_norm"]) if row.get("grad_norm") else None
+            lr = float(row["lr"]) if row.get("lr") else None
+            point = MetricPoint(
+                step=int(row["step"]), loss=float(row["loss"]), grad_norm=grad, lr=lr
+            )
+            events += suite.update(point)
+    return events
+
+
+def test_pythia_burst_is_found_and_the_rest_of_143k_steps_is_quiet():
+    """SOURCES.md: one early burst, loss ~3.7 -> 4.2-5.9 over steps 1197-1213; rest clean."""
+    events = [e for e in run_suite("pythia-160m-seed8.csv") if e.severity != "info"]
+    assert events and events[0].step == 1197 and events[0].kind == "loss_spike"
+    assert events[0].type == "gradient_explosion"  # the loss built up into it
+    assert all(1197 <= e.step <= 1231 for e in events), [(e.step, e.kind) for e in events]
+
+
+@pytest.mark.parametrize("step", [2675, 3775])
+def test_megatron_mixtral_isolated_spikes(step):
+    """SOURCES.md: isolated spikes that recover, 2.61->5.10 at 2675 and 2.49->5.60 at 3775."""
+    events = run_suite("megatron-mixtral8x7b-release-v080.csv")
+    spikes = {e.step: e for e in events if e.kind == "loss_spike"}
+    assert step in spikes and spikes[step].type == "data_toxicity"
+    follow = [e for e in events if e.kind == "spike_classified" and e.metrics["spike_step"] == step]
+    assert follow and follow[0].type == "data_toxicity"  # back at its level at once
+
+
+def test_healthy_megatron_gpt3_run_is_quiet():
+    assert [
+        e for e in run_suite("megatron-gpt3-15b-release-h100-dev.csv") if e.severity != "info"
+    ] == []
