@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 
 import pytest
@@ -10,12 +11,17 @@ import pytest
 import trainguard as tg
 from trainguard.detectors import DetectorSuite, MetricPoint
 
-CURVES = Path(__file__).resolve().parents[2] / "shared" / "curves"
+CURVES = Path(
+    os.environ.get("TRAINGUARD_CURVES", Path(__file__).resolve().parents[2] / "shared" / "curves")
+)
 
 
 def run_suite(name: str) -> list[tg.Event]:
     path = CURVES / name
-    assert path.is_file(), f"{path} is missing: the shared curves sit beside the checkout"
+    assert path.is_file(), (
+        f"{path} is missing: the shared curves sit beside the checkout (../shared/curves), "
+        "or set TRAINGUARD_CURVES to their folder"
+    )
     suite = DetectorSuite(tg.GuardConfig())
     events: list[tg.Event] = []
     with path.open() as f:
