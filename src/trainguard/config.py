@@ -134,6 +134,35 @@ class HealthConfig(_Section):
     overflow_danger: int = 1000
 
 
+class RecoveryConfig(_Section):
+    """Known-good snapshots and rollback: how far back, how much LR, how much data to skip."""
+
+    enabled: bool = Field(True, description="Take snapshots and roll back; off means skip only.")
+    snapshot_every: int = Field(50, ge=1, description="Steps between in-memory snapshots.")
+    snapshots: int = Field(3, ge=1, description="Snapshots kept in the ring.")
+    rollback_margin: int = Field(
+        10, ge=0, description="A rollback target lies at least this many steps before the incident."
+    )
+    skip_after_toxicity: int = Field(
+        0, ge=0, description="Batches skipped after the incident batch for data toxicity."
+    )
+    skip_after_explosion: int = Field(
+        200, ge=0, description="Batches skipped after the incident batch for other incidents."
+    )
+    rewarm_steps: int = Field(
+        0, ge=0, description="Steps over which a cut LR climbs back to the schedule; 0 keeps it."
+    )
+    max_rollbacks: int = Field(5, ge=1, description="Rollbacks within the window before a halt.")
+    rollback_window: int = Field(1000, ge=1, description="Steps over which rollbacks are counted.")
+    nonfinite_rollback: int = Field(
+        3, ge=1, description="Non-finite steps within `nonfinite_window` that roll back."
+    )
+    nonfinite_window: int = Field(50, ge=1)
+    architecture_rollbacks: int = Field(
+        2, ge=1, description="Rollbacks an architecture-type fault survives before a halt."
+    )
+
+
 class PolicyConfig(_Section):
     """How events become actions."""
 
@@ -184,6 +213,7 @@ class GuardConfig(_Section):
     overflow: OverflowConfig = Field(default_factory=OverflowConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
 
     @field_validator("group_patterns")
     @classmethod

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Severity = Literal["info", "warning", "critical"]
-Action = Literal["step", "skip", "halt"]
+Action = Literal["step", "skip", "rollback", "halt"]
 SpikeType = Literal["gradient_explosion", "data_toxicity", "optimizer", "architecture"]
 
 EVENT_KINDS: tuple[str, ...] = (
@@ -23,6 +23,8 @@ EVENT_KINDS: tuple[str, ...] = (
     "divergence",
     "oscillation",
     "health",
+    "rollback",
+    "lr_reduced",
     "halt",
 )
 SPIKE_TYPES: tuple[str, ...] = ("gradient_explosion", "data_toxicity", "optimizer", "architecture")
@@ -82,6 +84,11 @@ class Decision:
     events: list[Event] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
     reason: str = ""
+    rollback_to: int | None = None  # roll back to a snapshot at or before this step
+    incident_step: int | None = None  # the step whose data fed the incident
+    skip_after: int = 0  # batches skipped after the incident batch
+    lr_factor: float | None = None  # multiply the LR by this
+    quarantine: bool = False  # the batch of `incident_step` is toxic for good
 
     @property
     def skipped(self) -> bool:

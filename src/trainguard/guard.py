@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,9 @@ import torch
 from torch import nn
 
 from trainguard.actions import OptimizerActions
+from trainguard.actions.data import GuardedBatches, default_batch_ids
+from trainguard.actions.quarantine import Quarantine
+from trainguard.actions.snapshots import SnapshotRing
 from trainguard.config import GuardConfig
 from trainguard.detectors import DetectorSuite, MetricPoint
 from trainguard.events import Decision, Event, TrainguardError, TrainingHalted, _json_number
@@ -20,6 +23,7 @@ from trainguard.signals import GradientStats, StepSignals
 from trainguard.sinks import ConsoleSink, EventLog, MetricsLog, Sink
 
 MAX_BATCH_IDS = 64
+POSITIONS_KEPT = 8192  # steps whose data position is remembered, to map incidents to batches
 
 
 class Guard:
@@ -49,16 +53,30 @@ class Guard:
         self.model = model
         self.optimizer = optimizer
         self.detectors = DetectorSuite(self.config)
-        self.policy = StepPolicy(self.config.policy)
+        self.policy = StepPolicy(self.config.policy, self.config.recovery)
         self.stats: GradientStats | None = None
         self.actions: OptimizerActions | None = None
         if optimizer is not None:
             self.stats = GradientStats(
                 model, optimizer, self.config.group_patterns, self.config.stats_every
             )
-            self.actions = OptimizerActions(optimizer, scheduler, scaler, self.config.max_grad_norm)
+            self.actions = OptimizerActions(
+                optimizer,
+                scheduler,
+                scaler,
+                self.config.max_grad_norm,
+                self.config.recovery.rewarm_steps,
+            )
+        self.scheduler = scheduler
         self.scaler = scaler
+        self.ring = SnapshotRing(self.config.recovery.snapshots)
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.quarantine = Quarantine(
+            self.run_dir / "quarantine.jsonl" if self.run_dir is not None else None
+        )
+        self._batches: GuardedBatches | None = None
+        self._positions: dict[int, int] = {}
+        self._last_incident = -(10**9)
         self.sinks: list[Sink] = []
         if self.run_dir is not None:
             self.sinks += [
@@ -71,13 +89,18 @@ class Guard:
         self.sinks.extend(sinks)
         self.global_step = 0
         self.event_counts: dict[str, int] = {}
-        self.action_counts: dict[str, int] = {"step": 0, "skip": 0, "halt": 0}
+        self.action_counts: dict[str, int] = {"step": 0, "skip": 0, "rollback": 0, "halt": 0}
         self._started = time.perf_counter()
         self._last_step_time: float | None = None
         self._closed = False
 
     # -- the training loop ------------------------------------------------------------------
-    def step(self, loss: torch.Tensor | float, batch_ids: Iterable[Any] | None = None) -> Decision:
+    def step(
+        self,
+        loss: torch.Tensor | float,
+        batch_ids: Iterable[Any] | None = None,
+        sample_ids: Iterable[Any] | None = None,
+    ) -> Decision:
         """Measure this step's gradients after `loss.backward()`, run the detectors, and step,
         skip or halt (raising `TrainingHalted`); with a GradScaler pass the unscaled loss."""
         if self.stats is None or self.actions is None or self.optimizer is None:
@@ -86,24 +109,156 @@ class Guard:
                 "or use guard.observe(step, loss=...) to only watch numbers"
             )
         step = self.global_step
+        if self._batches is not None and self._batches.current is not None:
+            self._remember_position(step, self._batches.current)
         self.actions.unscale()
         measurement = self.stats.measure(loss, self.optimizer, self.scaler)
         self.actions.clip(measurement.grads, measurement.total_norm)
         signals = self.stats.resolve(measurement)
         point = _point_from_signals(step, signals)
-        decision = self._decide(point, batch_ids)
+        decision = self._decide(point, batch_ids, can_roll_back=bool(self.ring.snapshots))
+        if decision.quarantine:
+            self._quarantine(decision, signals.loss, batch_ids, sample_ids)
+        self.global_step += 1
         if decision.action == "step":
             self.stats.before_optimizer_step(step)
             self.actions.step(signals.loss)
             self.stats.after_optimizer_step(step)
+            if decision.lr_factor is not None:
+                self._cut_lr(decision)
+            self._maybe_snapshot()
+        elif decision.action == "rollback":
+            self.stats.discard_update()
+            self.actions.skip()
+            self._roll_back(decision)
         else:
             self.stats.discard_update()
             self.actions.skip()
         self._record(point, decision, signals)
-        self.global_step += 1
         if decision.action == "halt":
             self._halt(decision, raise_error=True)
         return decision
+
+    def batches(
+        self,
+        source: Iterable[Any],
+        ids: Callable[[Any], list[Any] | None] = default_batch_ids,
+    ) -> GuardedBatches:
+        """Wrap the data so a rollback rewinds it and skips the batches that fed the incident,
+        and quarantined batches never come back; `ids(batch)` names a batch's samples."""
+        self._batches = GuardedBatches(source, ids, self.quarantine.contains)
+        return self._batches
+
+    # -- recovery -----------------------------------------------------------------------------
+    def _remember_position(self, step: int, position: int) -> None:
+        self._positions[step] = position
+        if len(self._positions) > POSITIONS_KEPT:
+            for old in sorted(self._positions)[: len(self._positions) - POSITIONS_KEPT]:
+                del self._positions[old]
+
+    def _maybe_snapshot(self) -> None:
+        """After a step: keep a known-good state every `snapshot_every` steps of a healthy run."""
+        rec = self.config.recovery
+        step = self.global_step  # the next step: the snapshot is the state at its start
+        if not rec.enabled or self.model is None or step % rec.snapshot_every:
+            return
+        if step - self._last_incident <= rec.snapshot_every:
+            return
+        assert self.optimizer is not None and self.actions is not None
+        guard_state = {
+            "detectors": self.detectors.state_dict(),
+            "schedule_lrs": self.actions.schedule_lrs(),
+        }
+        position = self._batches.state() if self._batches is not None else None
+        self.ring.take(
+            step, self.model, self.optimizer, self.scheduler, self.scaler, guard_state, position
+        )
+
+    def _roll_back(self, decision: Decision) -> None:
+        """Restore the newest known-good snapshot at or before the decision's target."""
+        assert self.model is not None and self.optimizer is not None and self.actions is not None
+        assert decision.rollback_to is not None
+        snapshot = self.ring.newest_at_or_before(decision.rollback_to)
+        assert snapshot is not None  # the policy rolls back only when a snapshot exists
+        from_step = decision.step
+        SnapshotRing.restore(snapshot, self.model, self.optimizer, self.scheduler, self.scaler)
+        self.detectors.load_state_dict(snapshot.guard["detectors"])
+        self.actions.restore_schedule_lrs(snapshot.guard["schedule_lrs"])
+        factor = decision.lr_factor or 1.0
+        self.actions.cut_lr(factor)
+        self.ring.drop_after(snapshot.step)
+        self.global_step = snapshot.step
+        self._last_incident = snapshot.step
+        skipped: tuple[int, int] | None = None
+        if self._batches is not None and snapshot.data_position is not None:
+            incident = decision.incident_step
+            position = self._positions.get(incident) if incident is not None else None
+            if position is not None:
+                skipped = (position, position + 1 + decision.skip_after)
+            self._batches.rewind(snapshot.data_position, skipped)
+        note = (
+            f"; skipping batches {skipped[0]}..{skipped[1] - 1}"
+            if skipped
+            else "; no data to skip (iterate with guard.batches(loader) to skip it)"
+        )
+        if snapshot.step > (decision.rollback_to or 0):
+            note += "; no snapshot was old enough, so the oldest kept was used"
+        event = Event(
+            step=from_step,
+            kind="rollback",
+            severity="warning",
+            message=(
+                f"rolled back from step {from_step} to the known-good state at step "
+                f"{snapshot.step} ({decision.reason}); LR x{factor:.3g}, now "
+                f"x{self.actions.lr_scale:.3g} of the schedule{note}"
+            ),
+            metrics={
+                "from_step": from_step,
+                "to_step": snapshot.step,
+                "incident_step": decision.incident_step,
+                "lr_factor": factor,
+                "lr_scale": self.actions.lr_scale,
+                "skipped_batches": list(skipped) if skipped else None,
+            },
+            action="rollback",
+        )
+        decision.events.append(event)
+        self._emit(event)
+
+    def _cut_lr(self, decision: Decision) -> None:
+        assert self.actions is not None and decision.lr_factor is not None
+        self.actions.cut_lr(decision.lr_factor)
+        event = Event(
+            step=decision.step,
+            kind="lr_reduced",
+            severity="warning",
+            message=(
+                f"LR x{decision.lr_factor:.3g} ({decision.reason}); now "
+                f"x{self.actions.lr_scale:.3g} of the schedule"
+            ),
+            metrics={"lr_factor": decision.lr_factor, "lr_scale": self.actions.lr_scale},
+            action="step",
+        )
+        decision.events.append(event)
+        self._emit(event)
+
+    def _quarantine(
+        self,
+        decision: Decision,
+        loss: float,
+        batch_ids: Iterable[Any] | None,
+        sample_ids: Iterable[Any] | None,
+    ) -> None:
+        ids = list(batch_ids) if batch_ids is not None else None
+        if ids is None and self._batches is not None:
+            ids = self._batches.current_ids
+        self.quarantine.add(
+            decision.step,
+            decision.reason,
+            loss,
+            [_plain(i) for i in ids] if ids else None,
+            [_plain(i) for i in sample_ids] if sample_ids is not None else None,
+        )
 
     def observe(
         self,
@@ -136,9 +291,13 @@ class Guard:
         return decision
 
     # -- internals ----------------------------------------------------------------------------
-    def _decide(self, point: MetricPoint, batch_ids: Iterable[Any] | None) -> Decision:
+    def _decide(
+        self, point: MetricPoint, batch_ids: Iterable[Any] | None, can_roll_back: bool = False
+    ) -> Decision:
         events = self.detectors.update(point)
-        decision = self.policy.decide(point, events)
+        decision = self.policy.decide(point, events, can_roll_back)
+        if decision.action != "step" or any(e.severity != "info" for e in events):
+            self._last_incident = point.step
         if batch_ids is not None:
             ids = list(batch_ids)
             shown: list[Any] = [_plain(i) for i in ids[:MAX_BATCH_IDS]]
@@ -147,11 +306,14 @@ class Guard:
                 if len(ids) > MAX_BATCH_IDS:
                     event.metrics["batch_ids_total"] = len(ids)
         for event in events:
-            self.event_counts[event.kind] = self.event_counts.get(event.kind, 0) + 1
-            for sink in self.sinks:
-                sink.on_event(event)
+            self._emit(event)
         self.action_counts[decision.action] += 1
         return decision
+
+    def _emit(self, event: Event) -> None:
+        self.event_counts[event.kind] = self.event_counts.get(event.kind, 0) + 1
+        for sink in self.sinks:
+            sink.on_event(event)
 
     def _record(self, point: MetricPoint, decision: Decision, signals: StepSignals | None) -> None:
         now = time.perf_counter()
@@ -201,9 +363,7 @@ class Guard:
             action="halt",
         )
         decision.events.append(event)
-        self.event_counts["halt"] = self.event_counts.get("halt", 0) + 1
-        for sink in self.sinks:
-            sink.on_event(event)
+        self._emit(event)
         if raise_error:
             self.close()
             raise TrainingHalted(diagnosis, decision)

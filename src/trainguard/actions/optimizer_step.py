@@ -16,11 +16,16 @@ class OptimizerActions:
         scheduler: Any = None,
         scaler: torch.amp.GradScaler | None = None,
         max_grad_norm: float | None = 1.0,
+        rewarm_steps: int = 0,
     ) -> None:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.max_grad_norm = max_grad_norm
+        self.rewarm_steps = rewarm_steps
+        self.lr_cut = 1.0  # the LR multiplier right after the last cut
+        self.since_cut = 0  # optimizer steps since then, for the re-warm
+        self._schedule_lrs: list[Any] | None = None  # the LR the schedule wants, per group
 
     def unscale(self) -> None:
         """Unscale the gradients before they are measured (no-op without a scaler)."""
@@ -48,11 +53,64 @@ class OptimizerActions:
             torch._foreach_mul_(group, coef.to(device))
 
     def step(self, loss: float) -> None:
-        """Apply the update: optimizer step, loss-scale update, scheduler step."""
+        """Apply the update: optimizer step, loss-scale update, scheduler step, LR re-warm."""
         self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update()
+        if self._schedule_lrs is None:
+            self._step_scheduler(loss)
+            return
+        self.since_cut += 1
+        self._set_lrs(self._schedule_lrs)  # the scheduler works on its own LRs, not ours
         self._step_scheduler(loss)
+        self._schedule_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self._apply_lr_scale()
+
+    # -- LR cuts ----------------------------------------------------------------------------------
+    @property
+    def lr_scale(self) -> float:
+        """The factor between the schedule's LR and the LR in use."""
+        if self.rewarm_steps <= 0 or self.lr_cut >= 1.0:
+            return self.lr_cut
+        progress = min(1.0, self.since_cut / self.rewarm_steps)
+        return self.lr_cut + (1.0 - self.lr_cut) * progress
+
+    def cut_lr(self, factor: float) -> None:
+        """Multiply the LR in use by `factor`; it climbs back over `rewarm_steps` when set."""
+        if self._schedule_lrs is None:
+            self._schedule_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.lr_cut = self.lr_scale * factor
+        self.since_cut = 0
+        self._apply_lr_scale()
+
+    def schedule_lrs(self) -> list[Any]:
+        return list(self._schedule_lrs or [g["lr"] for g in self.optimizer.param_groups])
+
+    def restore_schedule_lrs(self, lrs: list[Any]) -> None:
+        """After a rollback: the schedule's LRs of the snapshot, with the current cut on top."""
+        self._schedule_lrs = list(lrs)
+        self._apply_lr_scale()
+
+    def _apply_lr_scale(self) -> None:
+        assert self._schedule_lrs is not None
+        scale = self.lr_scale
+        self._set_lrs([lr * scale for lr in self._schedule_lrs])
+
+    def _set_lrs(self, lrs: list[Any]) -> None:
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "lr_cut": self.lr_cut,
+            "since_cut": self.since_cut,
+            "schedule_lrs": self._schedule_lrs,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.lr_cut = float(state["lr_cut"])
+        self.since_cut = int(state["since_cut"])
+        self._schedule_lrs = state["schedule_lrs"]
 
     def skip(self) -> None:
         """Discard this step's gradients; weights, optimizer state and scheduler stay as they are.

@@ -1,0 +1,115 @@
+"""`GuardedBatches`: the user's data, rewound on rollback, with incident batches skipped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from trainguard.actions.snapshots import rng_state, set_rng_state
+from trainguard.events import TrainguardError
+
+
+def default_batch_ids(batch: Any) -> list[Any] | None:
+    """`batch.ids`, or `batch["ids"]` / `batch["batch_ids"]` for a mapping; None when absent."""
+    ids = getattr(batch, "ids", None)
+    if ids is None and isinstance(batch, dict):
+        ids = batch.get("ids", batch.get("batch_ids"))
+    if ids is None:
+        return None
+    return [
+        int(i) if hasattr(i, "__index__") else i
+        for i in (ids.tolist() if hasattr(ids, "tolist") else ids)
+    ]
+
+
+class GuardedBatches:
+    """Iterates a data source once (one pass), counting batches by position.
+
+    A source with `state_dict`/`load_state_dict` (torchdata's `StatefulDataLoader`) is rewound
+    from its state; any other re-iterable source (a `DataLoader`, a list) is iterated again with the
+    random state it started with, so it repeats its order, and fast-forwarded by position.
+    """
+
+    def __init__(
+        self,
+        source: Iterable[Any],
+        ids: Callable[[Any], list[Any] | None] = default_batch_ids,
+        quarantined: Callable[[list[Any]], bool] = lambda ids: False,
+    ) -> None:
+        self.source = source
+        self.ids = ids
+        self.quarantined = quarantined
+        self.stateful = hasattr(source, "state_dict") and hasattr(source, "load_state_dict")
+        self.one_shot = isinstance(source, Iterator) and not self.stateful
+        self.position = 0  # batches drawn from the source so far in this pass
+        self.current: int | None = None  # position of the batch last handed out
+        self.current_ids: list[Any] | None = None
+        self.skip: list[tuple[int, int]] = []  # half-open ranges of positions never handed out
+        self._rewind: dict[str, Any] | None = None
+        self._start_rng: dict[str, Any] | None = None
+        self._iterator: Iterator[Any] | None = None
+
+    # -- positions ------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Where the pass stands: the next position and, for a stateful source, its state."""
+        state: dict[str, Any] = {"position": self.position}
+        if self.stateful:
+            state["source"] = self.source.state_dict()  # type: ignore[attr-defined]
+        return state
+
+    def rewind(self, state: dict[str, Any], skip: tuple[int, int] | None) -> None:
+        """Continue from `state` at the next batch drawn, never handing out positions in `skip`."""
+        if skip is not None and skip[1] > skip[0]:
+            self.skip.append(skip)
+        self._rewind = state
+
+    # -- iteration ------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        self._open(None)
+        while True:
+            if self._rewind is not None:
+                self._open(self._rewind)
+            assert self._iterator is not None
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                return
+            position = self.position
+            self.position += 1
+            if any(a <= position < b for a, b in self.skip):
+                continue
+            ids = self.ids(batch)
+            if ids is not None and self.quarantined(ids):
+                continue
+            self.current, self.current_ids = position, ids
+            yield batch
+
+    def _open(self, state: dict[str, Any] | None) -> None:
+        self._rewind = None
+        if state is None:
+            self._start_rng = rng_state()
+            self._iterator = iter(self.source)
+            self.position = 0
+            return
+        if self.stateful:
+            self.source.load_state_dict(state["source"])  # type: ignore[attr-defined]
+            self._iterator = iter(self.source)
+            self.position = int(state["position"])
+            return
+        if self.one_shot:
+            raise TrainguardError(
+                "cannot rewind a one-shot iterator for a rollback: pass guard.batches() a "
+                "re-iterable source (a DataLoader, a list, a StatefulDataLoader)"
+            )
+        now = rng_state()
+        assert self._start_rng is not None
+        set_rng_state(self._start_rng)  # the same shuffle order as the first time
+        self._iterator = iter(self.source)
+        set_rng_state(now)
+        target = int(state["position"])
+        for _ in range(target):  # fast-forward; a StatefulDataLoader avoids this cost
+            try:
+                next(self._iterator)
+            except StopIteration:
+                break
+        self.position = target
