@@ -9,8 +9,9 @@ from pathlib import Path
 
 import jsonschema
 
-from helpers import read_jsonl
 from trainguard.sinks import load_schema
+
+from helpers import read_jsonl
 
 EXE = shutil.which("trainguard", path=str(Path(sys.executable).parent))
 

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import trainguard as tg
-from helpers import lm_curve
 from trainguard.config import (
     DivergenceConfig,
     GradExplosionConfig,
@@ -33,6 +32,8 @@ from trainguard.detectors import (
     VanishingGradientDetector,
 )
 from trainguard.detectors.base import Detector
+
+from helpers import lm_curve
 
 
 def feed(detector: Detector | DetectorSuite, losses, grads=None, lrs=None, start: int = 0):

@@ -12,12 +12,13 @@ import torch
 from torch import nn
 
 import trainguard as tg
-from helpers import read_jsonl
 from trainguard.config import PolicyConfig
 from trainguard.detectors import MetricPoint
 from trainguard.events import Event
 from trainguard.policy import StepPolicy
 from trainguard.sinks import load_schema
+
+from helpers import read_jsonl
 
 
 def quiet(**kwargs) -> tg.GuardConfig:

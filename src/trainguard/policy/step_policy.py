@@ -10,6 +10,7 @@ from trainguard.detectors.base import MetricPoint
 from trainguard.events import Action, Decision, Event
 
 SAME_REGION = 2  # rollbacks to targets this many snapshot intervals apart hit the same region
+MAX_WIDENING = 3  # the skip doubles with each repeat in a region, up to 2**3 times
 
 
 class StepPolicy:
@@ -150,10 +151,10 @@ class StepPolicy:
             self.region_repeats = 0
         self.last_target = target
         base = rec.skip_after_explosion if explosion else rec.skip_after_toxicity
-        decision = self._decide(point, events, "rollback", f"rolled back: {why}")
+        decision = self._decide(point, events, "rollback", why)
         decision.rollback_to = target
         decision.incident_step = incident
-        decision.skip_after = base * (2**self.region_repeats)
+        decision.skip_after = base * 2 ** min(self.region_repeats, MAX_WIDENING)
         decision.lr_factor = self._next_lr_factor()
         self.consecutive_skips = 0
         self.consecutive_nonfinite = 0
