@@ -41,7 +41,7 @@ def run_demo(
         raise tg.TrainguardError("the demo needs at least 100 steps; pass --steps 100 or more")
     console = console or Console()
     run_dir = Path(run_dir)
-    for name in ("events.jsonl", "metrics.jsonl"):
+    for name in ("events.jsonl", "metrics.jsonl", "quarantine.jsonl"):
         (run_dir / name).unlink(missing_ok=True)  # a fresh demo each time, never a user's run
     toxic_step, blowup_step = int(0.4 * steps), int(0.7 * steps)
     corpus = MarkovCorpus(seed=seed)
@@ -70,24 +70,35 @@ def run_demo(
         TextColumn("loss {task.fields[loss]:.3f}  grad {task.fields[grad]:.3g}"),
         TimeRemainingColumn(),
     )
+    data = list(corpus.batches(16, 32, steps + 400, seed=seed + 1))  # spare batches to skip
+    data[toxic_step] = corpus.make_toxic(data[toxic_step])
+    rollbacks: list[int] = []
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("training", total=steps, loss=float("nan"), grad=float("nan"))
-        for step, batch in enumerate(corpus.batches(16, 32, steps, seed=seed + 1)):
-            if step == toxic_step:
-                batch = corpus.make_toxic(batch)
-            lr = LR * 100 if blowup_step <= step < blowup_step + 5 else LR
+        for iteration, batch in enumerate(guard.batches(data)):
+            if guard.global_step >= steps:
+                break
+            blowup = blowup_step <= iteration < blowup_step + 5  # a fault in time, not in data
             for group in optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] *= 100 if blowup else 1
             loss = model.loss(model(batch.x, batch.input_scale), batch.y)
             loss.backward()  # type: ignore[no-untyped-call]
             decision = guard.step(loss, batch_ids=batch.ids)
+            if blowup and decision.action != "rollback":  # a rollback already reset the LR
+                for group in optimizer.param_groups:
+                    group["lr"] /= 100
             optimizer.zero_grad(set_to_none=True)
             events += decision.events
             if decision.action == "skip":
-                skipped.append(step)
+                skipped.append(decision.step)
+            if decision.action == "rollback":
+                rollbacks.append(decision.step)
             losses.append(float(decision.metrics["loss"]))
             progress.update(
-                task, advance=1, loss=losses[-1], grad=float(decision.metrics["grad_norm"])
+                task,
+                completed=guard.global_step,
+                loss=losses[-1],
+                grad=float(decision.metrics["grad_norm"]),
             )
     guard.close()
     final = sum(losses[-20:]) / 20
@@ -99,18 +110,12 @@ def run_demo(
 
 def _table(result: DemoResult) -> Table:
     table = Table(title="What trainguard saw and did", title_justify="left")
-    for column in ("step", "kind", "type", "severity", "action"):
+    for column in ("step", "event", "action"):
         table.add_column(column, no_wrap=True)
     table.add_column("what", overflow="fold", ratio=1)
     for e in result.events:
-        table.add_row(
-            str(e.step),
-            e.kind,
-            e.type or "",
-            e.severity,
-            e.action or "",
-            e.message,
-        )
+        event = e.kind + (f"\n{e.type}" if e.type else "") + f"\n{e.severity}"
+        table.add_row(str(e.step), event, e.action or "", e.message)
     return table
 
 
@@ -132,12 +137,16 @@ def _summary(result: DemoResult) -> str:
         ("grad_spike", "grad_explosion", "loss_spike"), result.blowup_step, result.blowup_step + 6
     )
     if blow is not None:
-        n_skipped = sum(1 for s in result.skipped if s >= result.blowup_step)
+        rollback = next((e for e in result.events if e.kind == "rollback"), None)
+        then = (
+            f"then rolled back to the known-good state at step {rollback.metrics['to_step']} "
+            f"with the LR x{rollback.metrics['lr_factor']:.2g}"
+            if rollback is not None
+            else "no rollback was needed"
+        )
         lines.append(
             f"LR blow-up from step {result.blowup_step}: detected at step {blow.step} as "
-            f"{blow.kind}; the guard skipped {n_skipped} step(s) of it, but the first update "
-            "at 100x LR had already landed: undoing it needs a rollback, which this version "
-            "does not have yet."
+            f"{blow.kind}; {then}."
         )
     else:
         lines.append(f"LR blow-up from step {result.blowup_step}: not detected.")
