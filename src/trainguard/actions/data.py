@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from trainguard.actions.snapshots import rng_state, set_rng_state
 from trainguard.events import TrainguardError
+
+_END = object()
 
 
 def default_batch_ids(batch: Any) -> list[Any] | None:
@@ -103,9 +106,11 @@ class GuardedBatches:
             )
         now = rng_state()
         assert self._start_rng is not None
-        set_rng_state(self._start_rng)  # the same shuffle order as the first time
-        self._iterator = iter(self.source)
+        set_rng_state(self._start_rng)  # the same shuffle order as the first time: a sampler
+        iterator = iter(self.source)  # draws it at iter() or at the first batch, so take that
+        first = next(iterator, _END)  # batch under the starting random state too
         set_rng_state(now)
+        self._iterator = iter(()) if first is _END else itertools.chain([first], iterator)
         target = int(state["position"])
         for _ in range(target):  # fast-forward; a StatefulDataLoader avoids this cost
             try:
