@@ -50,7 +50,10 @@ def test_demo_detects_and_skips_the_planted_incidents(tmp_path):
     for event in events:
         jsonschema.validate(event, load_schema("events"))
     assert (60, "loss_spike", "skip") in [(e["step"], e["kind"], e["action"]) for e in events]
-    assert len(read_jsonl(tmp_path / "demo" / "metrics.jsonl")) == 150
+    assert "then rolled back to the known-good state at step" in text
+    assert any(e["kind"] == "rollback" for e in events)
+    steps = [m["step"] for m in read_jsonl(tmp_path / "demo" / "metrics.jsonl")]
+    assert sorted(set(steps)) == list(range(150))  # replayed steps after the rollback repeat
 
 
 def test_demo_rejects_too_few_steps(tmp_path):
