@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -18,8 +19,9 @@ EXE = shutil.which("trainguard", path=str(Path(sys.executable).parent))
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     assert EXE, "the trainguard console script is not installed in this environment"
+    env = {**os.environ, "COLUMNS": "200"}  # rich wraps at the terminal width
     return subprocess.run(
-        [EXE, *args], capture_output=True, text=True, timeout=300, cwd=cwd, check=False
+        [EXE, *args], capture_output=True, text=True, timeout=300, cwd=cwd, check=False, env=env
     )
 
 
