@@ -161,6 +161,13 @@ class RecoveryConfig(_Section):
     architecture_rollbacks: int = Field(
         2, ge=1, description="Rollbacks an architecture-type fault survives before a halt."
     )
+    checkpoint_every: int = Field(
+        500, ge=0, description="Steps between durable checkpoints in run_dir; 0 turns them off."
+    )
+    keep_checkpoints: int = Field(3, ge=1, description="Newest complete checkpoints kept.")
+    async_checkpoints: bool = Field(
+        True, description="Write checkpoints in the background; training blocks only to stage."
+    )
 
 
 class PolicyConfig(_Section):

@@ -25,6 +25,8 @@ EVENT_KINDS: tuple[str, ...] = (
     "health",
     "rollback",
     "lr_reduced",
+    "checkpoint",
+    "resume",
     "halt",
 )
 SPIKE_TYPES: tuple[str, ...] = ("gradient_explosion", "data_toxicity", "optimizer", "architecture")

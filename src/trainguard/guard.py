@@ -12,9 +12,16 @@ import torch
 from torch import nn
 
 from trainguard.actions import OptimizerActions
+from trainguard.actions.checkpoints import CheckpointStore
 from trainguard.actions.data import GuardedBatches, default_batch_ids
 from trainguard.actions.quarantine import Quarantine
-from trainguard.actions.snapshots import SnapshotRing
+from trainguard.actions.snapshots import (
+    SnapshotRing,
+    rng_from_plain,
+    rng_state,
+    rng_to_plain,
+    set_rng_state,
+)
 from trainguard.config import GuardConfig
 from trainguard.detectors import DetectorSuite, MetricPoint
 from trainguard.events import Decision, Event, TrainguardError, TrainingHalted, _json_number
@@ -75,8 +82,16 @@ class Guard:
             self.run_dir / "quarantine.jsonl" if self.run_dir is not None else None
         )
         self._batches: GuardedBatches | None = None
+        self._resume_data: dict[str, Any] | None = None
         self._positions: dict[int, int] = {}
         self._last_incident = -(10**9)
+        self._last_good_checkpoint: int | None = None
+        rec = self.config.recovery
+        self.checkpoints: CheckpointStore | None = None
+        if self.run_dir is not None and model is not None and optimizer is not None:
+            self.checkpoints = CheckpointStore(
+                self.run_dir / "checkpoints", rec.keep_checkpoints, rec.async_checkpoints
+            )
         self.sinks: list[Sink] = []
         if self.run_dir is not None:
             self.sinks += [
@@ -127,6 +142,7 @@ class Guard:
             if decision.lr_factor is not None:
                 self._cut_lr(decision)
             self._maybe_snapshot()
+            self._maybe_checkpoint()
         elif decision.action == "rollback":
             self.stats.discard_update()
             self.actions.skip()
@@ -147,6 +163,9 @@ class Guard:
         """Wrap the data so a rollback rewinds it and skips the batches that fed the incident,
         and quarantined batches never come back; `ids(batch)` names a batch's samples."""
         self._batches = GuardedBatches(source, ids, self.quarantine.contains)
+        if self._resume_data is not None:
+            self._batches.resume(self._resume_data)
+            self._resume_data = None
         return self._batches
 
     # -- recovery -----------------------------------------------------------------------------
@@ -181,6 +200,7 @@ class Guard:
         snapshot = self.ring.newest_at_or_before(decision.rollback_to)
         assert snapshot is not None  # the policy rolls back only when a snapshot exists
         from_step = decision.step
+        self._protect_last_good()
         SnapshotRing.restore(snapshot, self.model, self.optimizer, self.scheduler, self.scaler)
         self.detectors.load_state_dict(snapshot.guard["detectors"])
         self.actions.restore_schedule_lrs(snapshot.guard["schedule_lrs"])
@@ -352,7 +372,163 @@ class Guard:
             for sink in self.sinks:
                 sink.on_metrics(record)
 
+    def _protect_last_good(self) -> None:
+        """Keep the newest known-good checkpoint before an incident, whatever the retention."""
+        if self.checkpoints is not None and self._last_good_checkpoint is not None:
+            self.checkpoints.protected.add(self._last_good_checkpoint)
+
+    # -- durable checkpoints ----------------------------------------------------------------------
+    def _maybe_checkpoint(self) -> None:
+        every = self.config.recovery.checkpoint_every
+        if self.checkpoints is None or not every or self.global_step % every:
+            return
+        self.save_checkpoint()
+
+    def save_checkpoint(self) -> None:
+        """Write a durable checkpoint of the state at the start of the next step (asynchronous
+        by default: this blocks only while the tensors are staged)."""
+        assert self.model is not None and self.optimizer is not None and self.actions is not None
+        if self.checkpoints is None:
+            raise TrainguardError("checkpoints need a run_dir: build the Guard with run_dir=...")
+        step = self.global_step
+        known_good = step - self._last_incident > self.config.recovery.snapshot_every
+        opt = self.optimizer.state_dict()
+        opt_tensors: dict[str, dict[str, torch.Tensor]] = {}
+        opt_plain: dict[str, dict[str, Any]] = {}
+        for pid, values in opt["state"].items():
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    opt_tensors.setdefault(str(pid), {})[key] = value
+                else:
+                    opt_plain.setdefault(str(pid), {})[key] = value
+        rng = rng_state()
+        tensors: dict[str, Any] = {
+            "model": self.model.state_dict(),
+            "optimizer": {"state": opt_tensors},
+            "rng": {"torch": rng["torch"]},
+        }
+        if "cuda" in rng:
+            tensors["rng"]["cuda"] = {str(i): t for i, t in enumerate(rng["cuda"])}
+        plain_rng = rng_to_plain({**rng, "cuda": []})
+        plain_rng.pop("cuda")
+        if known_good:
+            self._last_good_checkpoint = step
+        protected = set(self.checkpoints.protected)
+        plain = {
+            "guard": self.state_dict(),
+            "optimizer": {"param_groups": opt["param_groups"], "state": opt_plain},
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "rng": plain_rng,
+            "data": self._batches.state() if self._batches is not None else None,
+            "protected": sorted(protected),
+            "last_good_checkpoint": self._last_good_checkpoint,
+        }
+        manifest = {
+            "trainguard_version": _version(),
+            "known_good": known_good,
+            "incidents": {
+                "rollbacks": self.action_counts["rollback"],
+                "skips": self.action_counts["skip"],
+                "lr_scale": self.actions.lr_scale,
+                "quarantined": len(self.quarantine.records),
+            },
+        }
+        self.checkpoints.save(step, tensors, plain, manifest)
+        for error in self._checkpoint_errors():
+            self._warn(error)
+
+    def _checkpoint_errors(self) -> list[str]:
+        if self.checkpoints is None or not self.checkpoints.errors:
+            return []
+        errors, self.checkpoints.errors = self.checkpoints.errors, []
+        return errors
+
+    @classmethod
+    def resume(
+        cls,
+        run_dir: str | Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
+        config: GuardConfig | None = None,
+        sinks: Sequence[Sink] = (),
+    ) -> Guard:
+        """A Guard restored from the newest complete checkpoint in `run_dir`: model, optimizer,
+        scheduler, scaler, RNGs, detectors, LR cuts, quarantine and data position."""
+        path = Path(run_dir)
+        if not path.is_dir():
+            raise TrainguardError(
+                f"cannot resume: {path} does not exist; start a new run with tg.Guard(...)"
+            )
+        if config is None and (path / "config.json").is_file():
+            config = GuardConfig.load(path / "config.json")
+        guard = cls(model, optimizer, scheduler, scaler, config=config, run_dir=path, sinks=sinks)
+        guard._restore_newest()
+        return guard
+
+    def _restore_newest(self) -> None:
+        assert self.checkpoints is not None and self.model is not None
+        assert self.optimizer is not None and self.actions is not None
+        found = self.checkpoints.load_newest(self._warn)
+        if found is None:
+            self._warn(
+                f"no complete checkpoint in {self.checkpoints.directory}: starting at step 0"
+            )
+            return
+        manifest, tensors, plain = found
+        path = Path(manifest["path"])
+        model_state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+        self.model.load_state_dict(model_state)
+        opt_state: dict[int, dict[str, Any]] = {}
+        for key, value in tensors.items():
+            if key.startswith("optimizer.state."):
+                pid, name = key[len("optimizer.state.") :].split(".", 1)
+                opt_state.setdefault(int(pid), {})[name] = value
+        for pid, values in plain["optimizer"]["state"].items():
+            opt_state.setdefault(int(pid), {}).update(values)
+        self.optimizer.load_state_dict(
+            {"state": opt_state, "param_groups": plain["optimizer"]["param_groups"]}
+        )
+        if self.scheduler is not None and plain["scheduler"] is not None:
+            self.scheduler.load_state_dict(plain["scheduler"])
+        if self.scaler is not None and plain["scaler"] is not None:
+            self.scaler.load_state_dict(plain["scaler"])
+        rng = rng_from_plain({**plain["rng"], "torch": []})
+        rng["torch"] = tensors["rng.torch"]
+        cuda = sorted(k for k in tensors if k.startswith("rng.cuda."))
+        if cuda:
+            rng["cuda"] = [tensors[k] for k in cuda]
+        set_rng_state(rng)
+        self.load_state_dict(plain["guard"])
+        self.checkpoints.protected = set(plain.get("protected", []))
+        self._last_good_checkpoint = plain.get("last_good_checkpoint")
+        self._resume_data = plain["data"]
+        self._emit(
+            Event(
+                step=self.global_step,
+                kind="resume",
+                severity="info",
+                message=f"resumed from the checkpoint at step {manifest['step']} ({path.name})",
+                metrics={"checkpoint": str(path), "step": manifest["step"]},
+                action="step",
+            )
+        )
+
+    def _warn(self, message: str) -> None:
+        self._emit(
+            Event(
+                step=self.global_step,
+                kind="checkpoint",
+                severity="warning",
+                message=message,
+                metrics={},
+            )
+        )
+
     def _halt(self, decision: Decision, raise_error: bool) -> None:
+        self._protect_last_good()
         diagnosis = f"trainguard halted the run at step {decision.step}: {decision.reason}"
         event = Event(
             step=decision.step,
@@ -375,18 +551,31 @@ class Guard:
             "global_step": self.global_step,
             "detectors": self.detectors.state_dict(),
             "policy": self.policy.state_dict(),
+            "actions": self.actions.state_dict() if self.actions is not None else None,
+            "last_incident": self._last_incident,
+            "positions": [[k, v] for k, v in self._positions.items()],
+            "action_counts": dict(self.action_counts),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.global_step = int(state["global_step"])
         self.detectors.load_state_dict(state["detectors"])
         self.policy.load_state_dict(state["policy"])
+        if self.actions is not None and state.get("actions") is not None:
+            self.actions.load_state_dict(state["actions"])
+        self._last_incident = int(state.get("last_incident", self._last_incident))
+        self._positions = {int(k): int(v) for k, v in state.get("positions", [])}
+        self.action_counts.update(state.get("action_counts", {}))
 
     def close(self) -> None:
         """Flush and close every sink; the guard stays usable for `state_dict`."""
         if self._closed:
             return
         self._closed = True
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
+            for error in self._checkpoint_errors():
+                self._warn(error)
         for sink in self.sinks:
             sink.close()
 
@@ -395,6 +584,12 @@ class Guard:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _version() -> str:
+    from trainguard import __version__
+
+    return __version__
 
 
 def _point_from_signals(step: int, s: StepSignals) -> MetricPoint:

@@ -6,7 +6,12 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from trainguard.actions.snapshots import rng_state, set_rng_state
+from trainguard.actions.snapshots import (
+    rng_from_plain,
+    rng_state,
+    rng_to_plain,
+    set_rng_state,
+)
 from trainguard.events import TrainguardError
 
 _END = object()
@@ -49,6 +54,7 @@ class GuardedBatches:
         self.current_ids: list[Any] | None = None
         self.skip: list[tuple[int, int]] = []  # half-open ranges of positions never handed out
         self._rewind: dict[str, Any] | None = None
+        self._resume: dict[str, Any] | None = None
         self._start_rng: dict[str, Any] | None = None
         self._iterator: Iterator[Any] | None = None
 
@@ -58,7 +64,15 @@ class GuardedBatches:
         state: dict[str, Any] = {"position": self.position}
         if self.stateful:
             state["source"] = self.source.state_dict()  # type: ignore[attr-defined]
+        elif self._start_rng is not None:
+            state["start_rng"] = rng_to_plain(self._start_rng)
         return state
+
+    def resume(self, state: dict[str, Any]) -> None:
+        """Start this pass where a checkpointed run stood (its order, its position)."""
+        if "start_rng" in state:
+            self._start_rng = rng_from_plain(state["start_rng"])
+        self._resume = state
 
     def rewind(self, state: dict[str, Any], skip: tuple[int, int] | None) -> None:
         """Continue from `state` at the next batch drawn, never handing out positions in `skip`."""
@@ -68,7 +82,11 @@ class GuardedBatches:
 
     # -- iteration ------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
-        self._open(None)
+        if self._resume is not None and not self.one_shot:
+            self._open(self._resume)
+        else:
+            self._open(None)
+        self._resume = None
         while True:
             if self._rewind is not None:
                 self._open(self._rewind)
@@ -105,7 +123,8 @@ class GuardedBatches:
                 "re-iterable source (a DataLoader, a list, a StatefulDataLoader)"
             )
         now = rng_state()
-        assert self._start_rng is not None
+        if self._start_rng is None:  # resumed without a recorded order: take it from here
+            self._start_rng = now
         set_rng_state(self._start_rng)  # the same shuffle order as the first time: a sampler
         iterator = iter(self.source)  # draws it at iter() or at the first batch, so take that
         first = next(iterator, _END)  # batch under the starting random state too

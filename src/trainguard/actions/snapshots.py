@@ -79,6 +79,33 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def rng_to_plain(state: dict[str, Any]) -> dict[str, Any]:
+    """A random state as JSON-ready lists (torch states as lists of bytes)."""
+    version, internal, gauss = state["python"]
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    plain: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
+        "torch": state["torch"].tolist(),
+    }
+    if "cuda" in state:
+        plain["cuda"] = [t.tolist() for t in state["cuda"]]
+    return plain
+
+
+def rng_from_plain(plain: dict[str, Any]) -> dict[str, Any]:
+    version, internal, gauss = plain["python"]
+    kind, keys, pos, has_gauss, cached = plain["numpy"]
+    state: dict[str, Any] = {
+        "python": (version, tuple(internal), gauss),
+        "numpy": (kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached),
+        "torch": torch.tensor(plain["torch"], dtype=torch.uint8),
+    }
+    if "cuda" in plain:
+        state["cuda"] = [torch.tensor(t, dtype=torch.uint8) for t in plain["cuda"]]
+    return state
+
+
 class SnapshotRing:
     """The last `size` snapshots, newest last; copies live in (pinned) CPU memory."""
 

@@ -1,0 +1,248 @@
+"""`CheckpointStore`: durable checkpoints through `torch.distributed.checkpoint`, written in the
+background, complete or absent, verified before they are loaded."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import threading
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from trainguard.events import TrainguardError, _utc_now
+
+MANIFEST = "manifest.json"
+PLAIN_STATE = "trainguard.json"
+PREFIX = "step-"
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata only: checkpoint metadata classes, torch sizes and dtypes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("torch.distributed.checkpoint."):
+            return super().find_class(module, name)
+        if module == "torch" and (
+            name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        if (module, name) in {
+            ("torch.serialization", "_get_layout"),
+            ("pathlib", "PosixPath"),
+            ("pathlib", "WindowsPath"),
+            ("pathlib", "PurePosixPath"),
+            ("collections", "OrderedDict"),
+        }:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata names {module}.{name}, which is not allowed"
+        )
+
+
+class SafeReader(FileSystemReader):
+    """A `FileSystemReader` whose metadata is read with an allow-list, never a plain unpickle."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = Path(self.path) / ".metadata"
+        with path.open("rb") as f:
+            metadata = _SafeUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _no_dist() -> bool:
+    """One process: no process group to coordinate the checkpoint with."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns that one process is assumed when no process group exists: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def step_of(path: Path) -> int:
+    return int(path.name[len(PREFIX) :])
+
+
+class CheckpointStore:
+    """`directory/step-N/`: DCP tensor files, `trainguard.json` (plain state) and `manifest.json`
+    (step, time, sha256 of each file, version, incident state), renamed in place when complete."""
+
+    def __init__(self, directory: str | Path, keep: int = 3, asynchronous: bool = True) -> None:
+        self.directory = Path(directory)
+        self.keep = keep
+        self.asynchronous = asynchronous
+        self._pending: concurrent.futures.Future[Any] | None = None
+        self._lock = threading.Lock()
+        self.errors: list[str] = []
+        self.protected: set[int] = set()  # steps kept as the last known-good before an incident
+
+    # -- writing ----------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        tensors: dict[str, Any],
+        plain: dict[str, Any],
+        manifest: dict[str, Any],
+    ) -> None:
+        """Stage the tensors (the only part that blocks training) and write in the background."""
+        self.wait()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.directory / f".{PREFIX}{step}.tmp-{uuid.uuid4().hex[:8]}"
+        plain_text = json.dumps(plain)
+        with _quiet_single_process():
+            if self.asynchronous:
+                future: Any = dcp_async_save(tensors, checkpoint_id=tmp, no_dist=_no_dist())
+            else:
+                dcp_save(tensors, checkpoint_id=tmp, no_dist=_no_dist())
+                future = concurrent.futures.Future()
+                future.set_result(None)
+
+        def finish(done: concurrent.futures.Future[Any]) -> None:
+            try:
+                done.result()
+                self._finish(step, tmp, plain_text, manifest)
+            except Exception as exc:  # reported, never raised into training
+                with self._lock:
+                    self.errors.append(f"checkpoint at step {step} failed: {exc}")
+
+        future.add_done_callback(finish)
+        self._pending = future
+        if not self.asynchronous:
+            self.wait()
+
+    def _finish(self, step: int, tmp: Path, plain_text: str, manifest: dict[str, Any]) -> None:
+        (tmp / PLAIN_STATE).write_text(plain_text)
+        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        record = {"step": step, "time": _utc_now(), "files": files, **manifest}
+        with (tmp / MANIFEST).open("w") as f:
+            json.dump(record, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        final = self.directory / f"{PREFIX}{step}"
+        if final.exists():  # a replayed step after a rollback: the newer trajectory wins
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.directory)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Keep the newest `keep` complete checkpoints and the protected ones; never the rest."""
+        complete = self.complete()
+        keep = {step_of(p) for p in complete[: self.keep]} | self.protected
+        for path in complete[self.keep :]:
+            if step_of(path) not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until the checkpoint being written is complete (or failed)."""
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending])
+            self._pending = None
+        # the done-callback runs on the writer's thread; give it its turn
+        with self._lock:
+            pass
+
+    @property
+    def writing(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    # -- reading ----------------------------------------------------------------------------------
+    def complete(self) -> list[Path]:
+        """Directories of checkpoints with a manifest, newest first (not yet verified)."""
+        if not self.directory.is_dir():
+            return []
+        found = [
+            p
+            for p in self.directory.iterdir()
+            if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()
+        ]
+        return sorted((p for p in found if (p / MANIFEST).is_file()), key=step_of, reverse=True)
+
+    def verify(self, path: Path) -> dict[str, Any]:
+        """The manifest of a checkpoint whose files are all present with their recorded sha256."""
+        try:
+            manifest: dict[str, Any] = json.loads((path / MANIFEST).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise TrainguardError(f"{path}: unreadable manifest ({exc})") from None
+        for name, digest in manifest.get("files", {}).items():
+            file = path / name
+            if not file.is_file():
+                raise TrainguardError(f"{path}: {name} is missing")
+            if _sha256(file) != digest:
+                raise TrainguardError(f"{path}: {name} fails its checksum")
+        if PLAIN_STATE not in manifest.get("files", {}) or ".metadata" not in manifest["files"]:
+            raise TrainguardError(f"{path}: the manifest does not list the checkpoint's files")
+        return manifest
+
+    def load(self, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The flat tensors (by DCP key) and the plain state of a verified checkpoint."""
+        reader = SafeReader(path)
+        metadata = reader.read_metadata()
+        template: dict[str, torch.Tensor] = {}
+        for key, meta in metadata.state_dict_metadata.items():
+            if not hasattr(meta, "size"):
+                raise TrainguardError(f"{path}: {key} is not a tensor; refusing to unpickle it")
+            template[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        with _quiet_single_process():
+            dcp_load(template, storage_reader=SafeReader(path), no_dist=_no_dist())
+        plain = json.loads((path / PLAIN_STATE).read_text())
+        return template, plain
+
+    def load_newest(
+        self, warn: Callable[[str], None]
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]] | None:
+        """Manifest, tensors and plain state of the newest checkpoint that verifies and loads,
+        warning about each one passed over; None when there is none."""
+        if self.directory.is_dir():
+            for p in sorted(self.directory.iterdir()):
+                if p.name.startswith(f".{PREFIX}") and ".tmp-" in p.name:
+                    warn(f"{p.name}: an incomplete checkpoint (the run stopped while writing it)")
+        for path in self.complete():
+            try:
+                manifest = self.verify(path)
+                tensors, plain = self.load(path)
+            except (TrainguardError, pickle.UnpicklingError, OSError, ValueError) as exc:
+                warn(f"{path.name} is unusable ({exc}); using the one before it")
+                continue
+            manifest["path"] = str(path)
+            return manifest, tensors, plain
+        return None
