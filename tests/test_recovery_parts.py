@@ -186,3 +186,25 @@ def test_snapshots_skip_windows_with_incidents():
         guard.step(loss)
         opt.zero_grad()
     assert [s.step for s in guard.ring.snapshots] == [10, 20, 40]  # 30: its window held a spike
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+def test_stateful_dataloader_from_torchdata_is_rewound_from_its_state():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    torch.manual_seed(0)
+    loader = StatefulDataLoader(TensorDataset(torch.arange(40)), batch_size=2, shuffle=True)
+    wrapped = GuardedBatches(loader)
+    assert wrapped.stateful
+    seen: list[int] = []
+    for batch in wrapped:
+        seen.append(int(batch[0][0]))
+        if wrapped.current == 5:
+            state = wrapped.state()
+        if wrapped.current == 12 and len(seen) == 13:
+            torch.rand(100)
+            wrapped.rewind(state, skip=(8, 10))
+    torch.manual_seed(0)
+    fresh = StatefulDataLoader(TensorDataset(torch.arange(40)), batch_size=2, shuffle=True)
+    reference = [int(b[0][0]) for b in fresh]
+    assert seen == reference[:13] + reference[6:8] + reference[10:]
