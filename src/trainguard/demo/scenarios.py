@@ -1,0 +1,128 @@
+"""Planted-fault training runs of TinyGPT, guarded or not: the harness behind the recovery tests
+and benchmarks. Faults sit in the data (toxic batches, by position) or in time (by iteration)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import trainguard as tg
+from trainguard.demo.data import MarkovCorpus
+from trainguard.demo.model import TinyGPT
+
+LR = 3e-3
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What goes wrong: toxic batches by data position, the rest by loop iteration."""
+
+    name: str = "clean"
+    toxic: tuple[int, ...] = ()
+    blowup: tuple[int, ...] = ()  # iterations whose update lands at 100x the LR
+    corrupt_at: int | None = None  # iteration at which the LM head's weights become 1000x
+    persistent_from: int | None = None  # iteration from which ever-growing logit noise is added
+
+
+FAULTS = {
+    "clean": Fault(),
+    "toxic batch": Fault("toxic batch", toxic=(180,)),
+    "LR x100 for 10 steps": Fault("LR x100 for 10 steps", blowup=tuple(range(250, 260))),
+    "20 toxic batches": Fault("20 toxic batches", toxic=tuple(range(200, 220))),
+    "corrupted weights": Fault("corrupted weights", corrupt_at=260),
+    "persistent fault": Fault("persistent fault", persistent_from=200),
+}
+
+
+@dataclass
+class ScenarioResult:
+    eval_loss: float
+    halted: tg.TrainingHalted | None
+    decisions: list[tg.Decision] = field(default_factory=list)
+    guard: tg.Guard | None = None
+    model: TinyGPT | None = None
+
+
+_CORPUS: dict[int, MarkovCorpus] = {}
+
+
+def corpus(seed: int = 0) -> MarkovCorpus:
+    if seed not in _CORPUS:
+        _CORPUS[seed] = MarkovCorpus(length=100_000, seed=seed)
+    return _CORPUS[seed]
+
+
+def run_scenario(
+    fault: Fault,
+    *,
+    guarded: bool = True,
+    steps: int = 400,
+    run_dir: str | Path | None = None,
+    config: tg.GuardConfig | None = None,
+) -> ScenarioResult:
+    """Train until `steps` optimizer steps are made (a rollback replays some), then evaluate on
+    held-out batches. Unguarded runs clip at 1.0 and step every batch."""
+    data = corpus()
+    batches = list(data.batches(16, 32, steps + 4000, seed=1))
+    for position in fault.toxic:
+        batches[position] = data.make_toxic(batches[position], seed=position)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    original_step = opt.step
+    guard = None
+    if guarded:
+        guard = tg.Guard(
+            model, opt, config=config or tg.GuardConfig(console=False), run_dir=run_dir
+        )
+    decisions: list[tg.Decision] = []
+    halted = None
+    source: Any = guard.batches(batches) if guard is not None else batches[:steps]
+    try:
+        for iteration, batch in enumerate(source):
+            if guard is not None and guard.global_step >= steps:
+                break
+            opt.step = (  # type: ignore[method-assign]
+                functools.partial(_scaled_step, opt, original_step, 100.0)
+                if iteration in fault.blowup
+                else original_step
+            )
+            if iteration == fault.corrupt_at:
+                with torch.no_grad():
+                    model.head.weight.mul_(1e3)
+            logits = model(batch.x, batch.input_scale)
+            if fault.persistent_from is not None and iteration >= fault.persistent_from:
+                noise = 0.05 * (iteration - fault.persistent_from)
+                logits = logits + noise * torch.randn_like(logits)
+            loss = model.loss(logits, batch.y)
+            loss.backward()  # type: ignore[no-untyped-call]
+            if guard is not None:
+                decisions.append(guard.step(loss, batch_ids=batch.ids))
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+    except tg.TrainingHalted as exc:
+        halted = exc
+    finally:
+        opt.step = original_step  # type: ignore[method-assign]
+        if guard is not None:
+            guard.close()
+    with torch.no_grad():
+        evals = list(data.batches(32, 32, 8, seed=999))
+        losses = [float(model.loss(model(b.x), b.y)) for b in evals]
+    return ScenarioResult(sum(losses) / len(losses), halted, decisions, guard, model)
+
+
+def _scaled_step(opt: torch.optim.Optimizer, original: Any, factor: float) -> Any:
+    for group in opt.param_groups:
+        group["lr"] *= factor
+    try:
+        return original()
+    finally:
+        for group in opt.param_groups:
+            group["lr"] /= factor
