@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from collections import deque
@@ -26,10 +25,8 @@ from pathlib import Path
 import torch
 
 import trainguard as tg
+from _results import write_section
 from trainguard.demo import MarkovCorpus, TinyGPT, TinyGPTConfig
-
-RESULTS = Path(__file__).with_name("RESULTS.md")
-START, END = "<!-- overhead:start -->", "<!-- overhead:end -->"
 
 
 def make(device: torch.device, seed: int = 0) -> tuple[TinyGPT, torch.optim.Optimizer]:
@@ -153,18 +150,6 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine()
-
-
-def write_section(table: str, command: str) -> None:
-    block = f"{START}\nCommand: `{command}`\n\n{table}\n{END}"
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n## Per-step overhead\n\n" + block + "\n"
-    RESULTS.write_text(text)
-    print(f"wrote {RESULTS}", file=sys.stderr)
 
 
 if __name__ == "__main__":
