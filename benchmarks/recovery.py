@@ -134,10 +134,7 @@ def scenarios() -> str:
         with tempfile.TemporaryDirectory() as tmp:
             guarded = run_scenario(fault, steps=steps, run_dir=tmp)
         unguarded = run_scenario(fault, guarded=False, steps=steps)
-        events = [e for d in guarded.decisions for e in d.events]
-        if guarded.halted is not None:
-            events += guarded.halted.decision.events
-        incidents = [e for e in events if e.severity != "info" and e.kind != "rollback"]
+        incidents = [e for e in guarded.events if e.severity != "info" and e.kind != "rollback"]
         first = incidents[0] if incidents else None
         detected = f"{first.kind} at step {first.step}" if first else "nothing"
         if first is not None and first.type:

@@ -70,7 +70,7 @@ def main() -> None:
                 step = guard.global_step
                 guard.step(loss)
                 opt.zero_grad(set_to_none=True)
-                out.write(f"{step} {float(loss).hex()}\n")
+                out.write(f"{step} {float(loss.detach()).hex()}\n")
                 out.flush()
                 if args.kill_at is not None and guard.global_step == args.kill_at:
                     guard.checkpoints.wait()

@@ -12,7 +12,7 @@ import torch
 
 import trainguard as tg
 from trainguard.demo.data import MarkovCorpus
-from trainguard.demo.model import TinyGPT
+from trainguard.demo.model import Block, TinyGPT
 
 LR = 3e-3
 
@@ -25,6 +25,7 @@ class Fault:
     toxic: tuple[int, ...] = ()
     blowup: tuple[int, ...] = ()  # iterations whose update lands at 100x the LR
     corrupt_at: int | None = None  # iteration at which the LM head's weights become 1000x
+    log0_at: int | None = None  # iteration at which a module adds log(0) = -inf to its output
     persistent_from: int | None = None  # iteration from which ever-growing logit noise is added
 
 
@@ -45,6 +46,15 @@ class ScenarioResult:
     decisions: list[tg.Decision] = field(default_factory=list)
     guard: tg.Guard | None = None
     model: TinyGPT | None = None
+    losses: list[float] = field(default_factory=list)  # the training loss of each iteration
+
+    @property
+    def events(self) -> list[tg.Event]:
+        """Every event of the run, the halt's included."""
+        events = [e for d in self.decisions for e in d.events]
+        if self.halted is not None:
+            events += self.halted.decision.events
+        return events
 
 
 _CORPUS: dict[int, MarkovCorpus] = {}
@@ -80,7 +90,16 @@ def run_scenario(
             model, opt, config=config or tg.GuardConfig(console=False), run_dir=run_dir
         )
     decisions: list[tg.Decision] = []
+    losses: list[float] = []
     halted = None
+    armed = [False]
+
+    def plant_log0(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return out + torch.log(torch.zeros_like(out[..., :1])) if armed[0] else out
+
+    block = model.blocks[0]
+    assert isinstance(block, Block)
+    log0 = block.mlp.register_forward_hook(plant_log0)
     source: Any = guard.batches(batches) if guard is not None else batches[:steps]
     try:
         for iteration, batch in enumerate(source):
@@ -91,6 +110,7 @@ def run_scenario(
                 if iteration in fault.blowup
                 else original_step
             )
+            armed[0] = iteration == fault.log0_at
             if iteration == fault.corrupt_at:
                 with torch.no_grad():
                     model.head.weight.mul_(1e3)
@@ -99,6 +119,7 @@ def run_scenario(
                 noise = 0.05 * (iteration - fault.persistent_from)
                 logits = logits + noise * torch.randn_like(logits)
             loss = model.loss(logits, batch.y)
+            losses.append(float(loss.detach()))
             loss.backward()  # type: ignore[no-untyped-call]
             if guard is not None:
                 decisions.append(guard.step(loss, batch_ids=batch.ids))
@@ -109,13 +130,14 @@ def run_scenario(
     except tg.TrainingHalted as exc:
         halted = exc
     finally:
+        log0.remove()
         opt.step = original_step  # type: ignore[method-assign]
         if guard is not None:
             guard.close()
     with torch.no_grad():
         evals = list(data.batches(32, 32, 8, seed=999))
-        losses = [float(model.loss(model(b.x), b.y)) for b in evals]
-    return ScenarioResult(sum(losses) / len(losses), halted, decisions, guard, model)
+        held_out = [float(model.loss(model(b.x), b.y)) for b in evals]
+    return ScenarioResult(sum(held_out) / len(held_out), halted, decisions, guard, model, losses)
 
 
 def _scaled_step(opt: torch.optim.Optimizer, original: Any, factor: float) -> Any:

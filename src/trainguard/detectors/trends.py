@@ -102,7 +102,13 @@ class DivergenceDetector(Detector):
             f"loss diverging: it rose steadily over the last {self.config.window} steps "
             f"(trend z={z:.1f}), {rise:.1%} above its lowest, now {fmt(values[-1])}"
         )
-        metrics = {"trend_z": z, "rise": rise, "lowest": low, "latest": values[-1]}
+        metrics = {
+            "trend_z": z,
+            "rise": rise,
+            "lowest": low,
+            "latest": values[-1],
+            "window": self.config.window,
+        }
         return [self.event(point, "critical", message, metrics)]
 
 
