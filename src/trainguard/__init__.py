@@ -7,6 +7,7 @@ loss.backward(); decision = guard.step(loss, batch_ids=ids)
 
 from trainguard.config import GuardConfig
 from trainguard.detectors import DetectorSuite, MetricPoint
+from trainguard.diagnosis import NonFiniteReport, trace_nonfinite
 from trainguard.events import (
     ConfigError,
     Decision,
@@ -26,7 +27,9 @@ __all__ = [
     "Guard",
     "GuardConfig",
     "MetricPoint",
+    "NonFiniteReport",
     "TrainguardError",
     "TrainingHalted",
     "__version__",
+    "trace_nonfinite",
 ]

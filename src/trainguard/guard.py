@@ -170,10 +170,10 @@ class Guard:
 
     # -- recovery -----------------------------------------------------------------------------
     def _remember_position(self, step: int, position: int) -> None:
+        self._positions.pop(step, None)  # a replayed step moves to the newest end
         self._positions[step] = position
         if len(self._positions) > POSITIONS_KEPT:
-            for old in sorted(self._positions)[: len(self._positions) - POSITIONS_KEPT]:
-                del self._positions[old]
+            del self._positions[next(iter(self._positions))]
 
     def _maybe_snapshot(self) -> None:
         """After a step: keep a known-good state every `snapshot_every` steps of a healthy run."""
