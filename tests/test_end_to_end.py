@@ -59,6 +59,10 @@ def test_log_zero_in_a_module_is_nonfinite_skipped_and_weights_stay_finite(clean
     assert [e.step for e in nonfinite] == [120]
     assert run.decisions[120].action == "skip"
     assert "nan" in nonfinite[0].message.lower() or "inf" in nonfinite[0].message.lower()
+    (origin,) = [e for e in run.events if e.kind == "nan_origin"]  # the step, replayed and traced
+    assert origin.step == 120 and origin.metrics["module"] == "blocks.0.mlp"
+    assert origin.metrics["direction"] == "forward" and origin.metrics["op"] == "aten.log.default"
+    assert "log of zero" in origin.message
     assert all(torch.isfinite(p).all() for p in run.model.parameters())
     assert run.halted is None
     assert run.eval_loss == pytest.approx(clean.eval_loss, rel=0.02)

@@ -317,3 +317,24 @@ def test_clear_errors_for_bad_use():
         tg.Guard(object(), opt)  # type: ignore[arg-type]
     with pytest.raises(tg.TrainguardError, match="no parameters"):
         tg.Guard(model, torch.optim.SGD([{"params": []}], lr=0.1))
+
+
+def test_a_nan_that_does_not_come_back_on_replay_is_reported_transient(tmp_path):
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = tg.Guard(model, opt, config=quiet(), run_dir=tmp_path)
+    x = torch.randn(4, 8)
+
+    def clean_loss() -> torch.Tensor:
+        return model(x).pow(2).mean()
+
+    guard.step(backward(model, x), replay=clean_loss)
+    opt.zero_grad()
+    decision = guard.step(backward(model, x, poison=math.nan), replay=clean_loss)  # a bit flip
+    kinds = [e.kind for e in decision.events]
+    assert kinds == ["nonfinite", "nan_origin"] and decision.action == "skip"
+    origin = decision.events[1]
+    assert origin.metrics["transient"] is True and "transient" in origin.message
+    assert all(p.grad is None for p in model.parameters())  # the replay left no gradients
+    logged = [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl")]
+    assert logged == ["nonfinite", "nan_origin"]

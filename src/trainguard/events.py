@@ -16,6 +16,7 @@ EVENT_KINDS: tuple[str, ...] = (
     "spike_classified",
     "grad_spike",
     "nonfinite",
+    "nan_origin",
     "fp16_overflow",
     "grad_explosion",
     "vanishing_gradients",

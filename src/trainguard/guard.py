@@ -24,12 +24,14 @@ from trainguard.actions.snapshots import (
 )
 from trainguard.config import GuardConfig
 from trainguard.detectors import DetectorSuite, MetricPoint
+from trainguard.diagnosis import trace_nonfinite
 from trainguard.events import Decision, Event, TrainguardError, TrainingHalted, _json_number
 from trainguard.policy import StepPolicy
 from trainguard.signals import GradientStats, StepSignals
 from trainguard.sinks import ConsoleSink, EventLog, MetricsLog, Sink
 
 MAX_BATCH_IDS = 64
+TRACE_EVERY = 50  # at most one NaN trace per this many steps: a streak is one fault
 POSITIONS_KEPT = 8192  # steps whose data position is remembered, to map incidents to batches
 
 
@@ -86,6 +88,8 @@ class Guard:
         self._positions: dict[int, int] = {}
         self._last_incident = -(10**9)
         self._last_good_checkpoint: int | None = None
+        self._replay_rng: dict[str, Any] | None = rng_state()  # where the first forward starts
+        self._last_trace = -(10**9)
         rec = self.config.recovery
         self.checkpoints: CheckpointStore | None = None
         if self.run_dir is not None and model is not None and optimizer is not None:
@@ -115,9 +119,13 @@ class Guard:
         loss: torch.Tensor | float,
         batch_ids: Iterable[Any] | None = None,
         sample_ids: Iterable[Any] | None = None,
+        replay: Callable[[], torch.Tensor] | None = None,
     ) -> Decision:
         """Measure this step's gradients after `loss.backward()`, run the detectors, and step,
-        skip or halt (raising `TrainingHalted`); with a GradScaler pass the unscaled loss."""
+        skip or halt (raising `TrainingHalted`); with a GradScaler pass the unscaled loss.
+
+        `replay`, a closure that recomputes this step's loss, lets the guard trace where NaN/Inf
+        first appeared when the step's gradients are non-finite."""
         if self.stats is None or self.actions is None or self.optimizer is None:
             raise TrainguardError(
                 "guard.step needs an optimizer: build Guard(model, optimizer, ...), "
@@ -150,6 +158,10 @@ class Guard:
         else:
             self.stats.discard_update()
             self.actions.skip()
+        if replay is not None:
+            if "nonfinite" in {e.kind for e in decision.events}:
+                self._trace(decision, replay)
+            self._replay_rng = rng_state()  # the next step's forward starts from here
         self._record(point, decision, signals)
         if decision.action == "halt":
             self._halt(decision, raise_error=True)
@@ -167,6 +179,46 @@ class Guard:
             self._batches.resume(self._resume_data)
             self._resume_data = None
         return self._batches
+
+    # -- diagnosis ----------------------------------------------------------------------------
+    def _trace(self, decision: Decision, replay: Callable[[], torch.Tensor]) -> None:
+        """Re-run the failing step from its starting state with every module and op watched."""
+        assert self.model is not None and self.optimizer is not None
+        if decision.step - self._last_trace < TRACE_EVERY:
+            return
+        self._last_trace = decision.step
+        buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
+        now = rng_state()
+        if self._replay_rng is not None:
+            set_rng_state(self._replay_rng)
+        try:
+            report = trace_nonfinite(self.model, replay)
+        finally:
+            set_rng_state(now)
+            with torch.no_grad():
+                for name, b in self.model.named_buffers():
+                    b.copy_(buffers[name])
+            self.optimizer.zero_grad(set_to_none=True)
+        origin = report.origin
+        event = Event(
+            step=decision.step,
+            kind="nan_origin",
+            severity="critical" if origin is not None else "warning",
+            message=report.describe(),
+            metrics={
+                "transient": report.transient,
+                "module": origin.module if origin else None,
+                "module_type": origin.module_type if origin else None,
+                "direction": origin.direction if origin else None,
+                "op": origin.op if origin else None,
+                "input_absmax": origin.input_absmax if origin else None,
+                "dtype": origin.dtype if origin else None,
+                "frames": origin.frames if origin else [],
+            },
+            action=decision.action,
+        )
+        decision.events.append(event)
+        self._emit(event)
 
     # -- recovery -----------------------------------------------------------------------------
     def _remember_position(self, step: int, position: int) -> None:

@@ -114,15 +114,19 @@ def run_scenario(
             if iteration == fault.corrupt_at:
                 with torch.no_grad():
                     model.head.weight.mul_(1e3)
-            logits = model(batch.x, batch.input_scale)
-            if fault.persistent_from is not None and iteration >= fault.persistent_from:
-                noise = 0.05 * (iteration - fault.persistent_from)
-                logits = logits + noise * torch.randn_like(logits)
-            loss = model.loss(logits, batch.y)
+
+            def forward(batch: Any = batch, iteration: int = iteration) -> torch.Tensor:
+                logits = model(batch.x, batch.input_scale)
+                if fault.persistent_from is not None and iteration >= fault.persistent_from:
+                    noise = 0.05 * (iteration - fault.persistent_from)
+                    logits = logits + noise * torch.randn_like(logits)
+                return model.loss(logits, batch.y)
+
+            loss = forward()
             losses.append(float(loss.detach()))
             loss.backward()  # type: ignore[no-untyped-call]
             if guard is not None:
-                decisions.append(guard.step(loss, batch_ids=batch.ids))
+                decisions.append(guard.step(loss, batch_ids=batch.ids, replay=forward))
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
