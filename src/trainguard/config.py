@@ -170,6 +170,20 @@ class RecoveryConfig(_Section):
     )
 
 
+class DiagnosisConfig(_Section):
+    """Tracing a NaN's origin, and naming the samples behind a loss spike."""
+
+    trace_every: int = Field(
+        50, ge=1, description="Steps between NaN-origin replays: a NaN streak is traced once."
+    )
+    sample_z: float = Field(
+        5.0, gt=0, description="Robust z within the batch that blames a sample for a spike."
+    )
+    sample_perplexity: float | None = Field(
+        None, gt=1, description="Also blame samples with a perplexity over this; off."
+    )
+
+
 class PolicyConfig(_Section):
     """How events become actions."""
 
@@ -221,6 +235,7 @@ class GuardConfig(_Section):
     health: HealthConfig = Field(default_factory=HealthConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+    diagnosis: DiagnosisConfig = Field(default_factory=DiagnosisConfig)
 
     @field_validator("group_patterns")
     @classmethod

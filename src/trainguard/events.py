@@ -14,6 +14,7 @@ SpikeType = Literal["gradient_explosion", "data_toxicity", "optimizer", "archite
 EVENT_KINDS: tuple[str, ...] = (
     "loss_spike",
     "spike_classified",
+    "spike_samples",
     "grad_spike",
     "nonfinite",
     "nan_origin",

@@ -24,14 +24,13 @@ from trainguard.actions.snapshots import (
 )
 from trainguard.config import GuardConfig
 from trainguard.detectors import DetectorSuite, MetricPoint
-from trainguard.diagnosis import trace_nonfinite
+from trainguard.diagnosis import blame_samples, trace_nonfinite
 from trainguard.events import Decision, Event, TrainguardError, TrainingHalted, _json_number
 from trainguard.policy import StepPolicy
 from trainguard.signals import GradientStats, StepSignals
 from trainguard.sinks import ConsoleSink, EventLog, MetricsLog, Sink
 
 MAX_BATCH_IDS = 64
-TRACE_EVERY = 50  # at most one NaN trace per this many steps: a streak is one fault
 POSITIONS_KEPT = 8192  # steps whose data position is remembered, to map incidents to batches
 
 
@@ -120,12 +119,15 @@ class Guard:
         batch_ids: Iterable[Any] | None = None,
         sample_ids: Iterable[Any] | None = None,
         replay: Callable[[], torch.Tensor] | None = None,
+        per_sample_losses: torch.Tensor | None = None,
+        sample_text: Sequence[str] | None = None,
     ) -> Decision:
         """Measure this step's gradients after `loss.backward()`, run the detectors, and step,
         skip or halt (raising `TrainingHalted`); with a GradScaler pass the unscaled loss.
 
         `replay`, a closure that recomputes this step's loss, lets the guard trace where NaN/Inf
-        first appeared when the step's gradients are non-finite."""
+        first appeared; `per_sample_losses` (one per sample, left on the device and read only
+        on a spike) and `sample_text` let it name the samples behind a loss spike."""
         if self.stats is None or self.actions is None or self.optimizer is None:
             raise TrainguardError(
                 "guard.step needs an optimizer: build Guard(model, optimizer, ...), "
@@ -140,6 +142,10 @@ class Guard:
         signals = self.stats.resolve(measurement)
         point = _point_from_signals(step, signals)
         decision = self._decide(point, batch_ids, can_roll_back=bool(self.ring.snapshots))
+        if per_sample_losses is not None and any(e.kind == "loss_spike" for e in decision.events):
+            blamed = self._blame(decision, per_sample_losses, sample_ids or batch_ids, sample_text)
+            if blamed:
+                sample_ids = blamed
         if decision.quarantine:
             self._quarantine(decision, signals.loss, batch_ids, sample_ids)
         self.global_step += 1
@@ -181,10 +187,40 @@ class Guard:
         return self._batches
 
     # -- diagnosis ----------------------------------------------------------------------------
+    def _blame(
+        self,
+        decision: Decision,
+        per_sample_losses: torch.Tensor,
+        ids: Iterable[Any] | None,
+        text: Sequence[str] | None,
+    ) -> list[Any]:
+        """Name the samples that carry a loss spike; their ids, for the quarantine."""
+        cfg = self.config.diagnosis
+        values: list[float] = per_sample_losses.detach().float().reshape(-1).tolist()
+        id_list = [_plain(i) for i in ids] if ids is not None else None
+        samples = blame_samples(values, id_list, text, cfg.sample_z, cfg.sample_perplexity)
+        if not samples:
+            return []
+        shown = ", ".join(f"{s.id} ({s.loss:.4g})" for s in samples[:10])
+        event = Event(
+            step=decision.step,
+            kind="spike_samples",
+            severity="warning",
+            message=(
+                f"{len(samples)} of {len(values)} samples carry the loss spike: {shown}; the "
+                f"batch median is {sorted(values)[len(values) // 2]:.4g}"
+            ),
+            metrics={"samples": [s.to_dict() for s in samples], "batch_size": len(values)},
+            action=decision.action,
+        )
+        decision.events.append(event)
+        self._emit(event)
+        return [s.id for s in samples]
+
     def _trace(self, decision: Decision, replay: Callable[[], torch.Tensor]) -> None:
         """Re-run the failing step from its starting state with every module and op watched."""
         assert self.model is not None and self.optimizer is not None
-        if decision.step - self._last_trace < TRACE_EVERY:
+        if decision.step - self._last_trace < self.config.diagnosis.trace_every:
             return
         self._last_trace = decision.step
         buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}

@@ -6,5 +6,13 @@ from trainguard.diagnosis.nonfinite_trace import (
     NonFiniteReport,
     trace_nonfinite,
 )
+from trainguard.diagnosis.spike_samples import SpikeSample, blame_samples
 
-__all__ = ["ModuleRecord", "NonFiniteOrigin", "NonFiniteReport", "trace_nonfinite"]
+__all__ = [
+    "ModuleRecord",
+    "NonFiniteOrigin",
+    "NonFiniteReport",
+    "SpikeSample",
+    "blame_samples",
+    "trace_nonfinite",
+]

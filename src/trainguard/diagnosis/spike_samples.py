@@ -1,0 +1,63 @@
+"""`blame_samples`: the samples of a spiking batch that carry the spike."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from trainguard.detectors.stats import MAD_TO_SIGMA, median
+
+PREVIEW_CHARS = 120
+
+
+@dataclass
+class SpikeSample:
+    """One sample blamed for a spike: its place in the batch, id, loss and robust z-score."""
+
+    index: int
+    id: Any
+    loss: float
+    z: float
+    preview: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "id": self.id,
+            "loss": self.loss,
+            "z": self.z,
+            "preview": self.preview,
+        }
+
+
+def blame_samples(
+    losses: Sequence[float],
+    ids: Sequence[Any] | None = None,
+    previews: Sequence[str] | None = None,
+    z_threshold: float = 5.0,
+    perplexity: float | None = None,
+) -> list[SpikeSample]:
+    """Per-sample losses more than `z_threshold` robust deviations (median and MAD within the
+    batch) above the batch median, or with a perplexity over `perplexity`; worst first."""
+    finite = [x for x in losses if math.isfinite(x)]
+    if not finite:
+        return []
+    centre = median(finite)
+    spread = MAD_TO_SIGMA * median([abs(x - centre) for x in finite])
+    spread = max(spread, 1e-3 * abs(centre), 1e-12)
+    blamed = []
+    for i, value in enumerate(losses):
+        z = (value - centre) / spread if math.isfinite(value) else math.inf
+        too_perplexed = perplexity is not None and (
+            not math.isfinite(value) or value > math.log(perplexity)
+        )
+        if z > z_threshold or too_perplexed:
+            preview = None
+            if previews is not None and i < len(previews):
+                text = str(previews[i])
+                preview = text[:PREVIEW_CHARS] + ("..." if len(text) > PREVIEW_CHARS else "")
+            sample_id = ids[i] if ids is not None and i < len(ids) else i
+            blamed.append(SpikeSample(i, sample_id, float(value), float(z), preview))
+    return sorted(blamed, key=lambda s: s.loss, reverse=True)
