@@ -135,9 +135,8 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if not args.no_write:
-        write_section(
-            table, f"python benchmarks/overhead.py --steps {args.steps} --device {args.device}"
-        )
+        command = f"python benchmarks/overhead.py --steps {args.steps} --device {args.device}"
+        write_section("overhead", "Per-step overhead", table, command)
 
 
 def _now(device: torch.device) -> float:
