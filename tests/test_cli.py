@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -61,3 +62,20 @@ def test_demo_detects_and_skips_the_planted_incidents(tmp_path):
 def test_demo_rejects_too_few_steps(tmp_path):
     out = run("demo", "--steps", "10", "--run-dir", str(tmp_path))
     assert out.returncode == 2 and "at least 100 steps" in out.stderr
+
+
+def test_lint_a_setup_from_a_file(tmp_path):
+    setup = tmp_path / "setup.py"
+    setup.write_text(
+        "import torch\n"
+        "from trainguard.demo import TinyGPT\n"
+        "def build():\n"
+        "    model = TinyGPT()\n"
+        "    return model, torch.optim.Adam(model.parameters(), lr=1e-3)\n"
+    )
+    out = run("lint", f"{setup}:build", "--max-grad-norm", "1.0", "--json")
+    assert out.returncode == 1, out.stderr
+    codes = {f["code"] for f in json.loads(out.stdout)}
+    assert {"no-warmup", "adam-beta2", "residual-init"} <= codes and "no-clipping" not in codes
+    missing = run("lint", f"{tmp_path / 'nope.py'}:build")
+    assert missing.returncode == 2 and "not found" in missing.stderr

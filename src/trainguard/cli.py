@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 import yaml
@@ -42,6 +42,93 @@ def config(
     """Print the effective configuration (the defaults, or PATH merged over them) as YAML."""
     cfg = GuardConfig.load(path) if path is not None else GuardConfig()
     typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
+
+
+@app.command("lint")
+def lint_command(
+    target: Annotated[
+        str,
+        typer.Argument(
+            help="MODULE:FUNCTION or FILE.py:FUNCTION returning (model, optimizer[, scheduler"
+            "[, scaler]]) or a dict with those keys."
+        ),
+    ],
+    total_steps: Annotated[int | None, typer.Option(help="Planned optimizer steps.")] = None,
+    max_grad_norm: Annotated[
+        float | None, typer.Option(help="The clip threshold the run uses; omit for none.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the findings as JSON.")] = False,
+) -> None:
+    """Lint a training set-up: exit 1 when a warning or worse is found, 0 when clean."""
+    import json
+
+    from rich.table import Table
+
+    from trainguard.diagnosis.lint import lint
+    from trainguard.events import SEVERITY_RANK
+
+    setup = _load_setup(target)
+    findings = lint(
+        setup["model"],
+        setup.get("optimizer"),
+        setup.get("scheduler"),
+        setup.get("scaler"),
+        max_grad_norm,
+        total_steps,
+    )
+    if as_json:
+        typer.echo(json.dumps([f.to_dict() for f in findings], indent=1))
+    elif not findings:
+        Console().print("[green]no findings[/]")
+    else:
+        table = Table(title=f"trainguard lint {target}", title_justify="left")
+        for column in ("severity", "code", "what", "fix"):
+            table.add_column(column, overflow="fold")
+        for f in findings:
+            table.add_row(f.severity, f.code, f.message, f.fix)
+        Console().print(table)
+    if any(SEVERITY_RANK[f.severity] >= SEVERITY_RANK["warning"] for f in findings):
+        raise typer.Exit(1)
+
+
+def _load_setup(target: str) -> dict[str, Any]:
+    import importlib
+    import importlib.util
+    import sys
+
+    from torch import nn
+
+    where, _, name = target.rpartition(":")
+    if not where or not name:
+        raise TrainguardError(f"lint needs MODULE:FUNCTION or FILE.py:FUNCTION, got {target!r}")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise TrainguardError(f"{path} not found: give the file that builds the set-up")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(path.parent.resolve()))
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise TrainguardError(f"cannot import {where}: {exc}") from None
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise TrainguardError(f"{where} has no function {name} that builds the set-up")
+    built = factory()
+    if isinstance(built, dict):
+        setup = dict(built)
+    elif isinstance(built, (tuple, list)):
+        keys = ("model", "optimizer", "scheduler", "scaler")
+        setup = dict(zip(keys, built, strict=False))
+    else:
+        setup = {"model": built}
+    if not isinstance(setup.get("model"), nn.Module):
+        raise TrainguardError(f"{target} must return a torch.nn.Module first (or under 'model')")
+    return setup
 
 
 @app.command()

@@ -6,7 +6,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -181,6 +181,13 @@ class DiagnosisConfig(_Section):
     )
     sample_perplexity: float | None = Field(
         None, gt=1, description="Also blame samples with a perplexity over this; off."
+    )
+    lint: bool = Field(True, description="Lint the set-up once at the start (info events).")
+    total_steps: int | None = Field(
+        None, ge=1, description="Planned optimizer steps, for the lint's warmup check."
+    )
+    autocast_dtype: Literal["float16", "bfloat16"] | None = Field(
+        None, description="'float16' or 'bfloat16' when the forward runs under autocast."
     )
 
 

@@ -25,6 +25,7 @@ EVENT_KINDS: tuple[str, ...] = (
     "divergence",
     "oscillation",
     "health",
+    "lint",
     "rollback",
     "lr_reduced",
     "checkpoint",

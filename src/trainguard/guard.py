@@ -25,6 +25,7 @@ from trainguard.actions.snapshots import (
 from trainguard.config import GuardConfig
 from trainguard.detectors import DetectorSuite, MetricPoint
 from trainguard.diagnosis import blame_samples, trace_nonfinite
+from trainguard.diagnosis.lint import Finding, lint
 from trainguard.events import Decision, Event, TrainguardError, TrainingHalted, _json_number
 from trainguard.policy import StepPolicy
 from trainguard.signals import GradientStats, StepSignals
@@ -111,6 +112,9 @@ class Guard:
         self._started = time.perf_counter()
         self._last_step_time: float | None = None
         self._closed = False
+        self.findings: list[Finding] = []
+        if self.config.diagnosis.lint and model is not None and optimizer is not None:
+            self._lint()
 
     # -- the training loop ------------------------------------------------------------------
     def step(
@@ -187,6 +191,31 @@ class Guard:
         return self._batches
 
     # -- diagnosis ----------------------------------------------------------------------------
+    def _lint(self) -> None:
+        """Check the set-up once, before the first step; each finding is an info event."""
+        assert self.model is not None
+        cfg = self.config.diagnosis
+        dtype = getattr(torch, cfg.autocast_dtype) if cfg.autocast_dtype else None
+        self.findings = lint(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            self.config.max_grad_norm,
+            cfg.total_steps,
+            dtype,
+        )
+        for finding in self.findings:
+            self._emit(
+                Event(
+                    step=0,
+                    kind="lint",
+                    severity="info",
+                    message=f"{finding.message}; fix: {finding.fix}",
+                    metrics=finding.to_dict(),
+                )
+            )
+
     def _blame(
         self,
         decision: Decision,

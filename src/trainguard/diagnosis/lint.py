@@ -1,0 +1,296 @@
+"""`lint`: a check of a training set-up before it runs, each finding with a concrete fix."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import re
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainguard.events import Severity
+
+# The seed's peak-LR table (parameters -> LR), interpolated log-log by parameter count.
+PEAK_LR_TABLE = ((7e9, 3e-4), (70e9, 1e-4), (405e9, 8e-5))
+SMALL_MODEL_SLACK = 2.0  # below 7B the line is extrapolated: only twice over it is reported
+RESIDUAL_OUT = re.compile(
+    r"(attn|attention|self_attn)\.(c_proj|proj|o_proj|out_proj|dense)\.weight$"
+    r"|(mlp|ffn|feed_forward)\.(c_proj|fc2|down_proj|dense_4h_to_h|w2|2)\.weight$"
+)
+WARMUP_HORIZON = 20_000  # scheduler steps simulated to find the warmup
+
+
+@dataclass
+class Finding:
+    """One problem with the set-up: a code, a severity, what is wrong, and how to fix it."""
+
+    code: str
+    severity: Severity
+    message: str
+    fix: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {
+            "code": self.code,
+            "severity": self.severity,
+            "message": self.message,
+            "fix": self.fix,
+        }
+
+
+def peak_lr_limit(n_params: int) -> float:
+    """The seed's peak LR for a model of `n_params` parameters (log-log interpolation)."""
+    segments = list(itertools.pairwise(PEAK_LR_TABLE))
+    (n0, lr0), (n1, lr1) = next((seg for seg in segments if n_params <= seg[1][0]), segments[-1])
+    slope = math.log(lr1 / lr0) / math.log(n1 / n0)
+    return float(lr0 * (max(n_params, 1) / n0) ** slope)
+
+
+def lint(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    max_grad_norm: float | None = 1.0,
+    total_steps: int | None = None,
+    autocast_dtype: torch.dtype | None = None,
+) -> list[Finding]:
+    """Check a set-up: warmup, peak LR for the model size, fp16 without a loss scaler, clipping,
+    Adam's beta2 and epsilon, post-LN depth, residual-projection scaling, init std, biases."""
+    findings: list[Finding] = []
+    n_params = sum(p.numel() for p in model.parameters())
+    n_layers = _depth(model)
+    if optimizer is not None:
+        findings += _schedule(optimizer, scheduler, total_steps, n_params)
+        findings += _adam(optimizer)
+    findings += _precision(model, scaler, autocast_dtype)
+    if max_grad_norm is None:
+        findings.append(
+            Finding(
+                "no-clipping",
+                "warning",
+                "gradients are not clipped: one bad batch can move the weights arbitrarily far",
+                "clip the global gradient norm at 1.0 (GuardConfig.max_grad_norm=1.0)",
+            )
+        )
+    findings += _post_ln(model)
+    findings += _init(model, n_layers)
+    return findings
+
+
+def _lr_trace(optimizer: torch.optim.Optimizer, scheduler: Any, steps: int) -> list[float]:
+    """The first group's LR over `steps` scheduler steps, leaving scheduler and optimizer as
+    they were."""
+    saved_sched = copy.deepcopy(scheduler.state_dict())
+    saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    lrs = [float(optimizer.param_groups[0]["lr"])]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(steps):
+                if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                    break
+                scheduler.step()
+                lrs.append(float(optimizer.param_groups[0]["lr"]))
+    finally:
+        scheduler.load_state_dict(saved_sched)
+        for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+            group.update(saved)
+    return lrs
+
+
+def _schedule(
+    optimizer: torch.optim.Optimizer, scheduler: Any, total: int | None, n_params: int
+) -> list[Finding]:
+    findings = []
+    horizon = min(total or WARMUP_HORIZON, WARMUP_HORIZON)
+    lrs = (
+        _lr_trace(optimizer, scheduler, horizon)
+        if scheduler is not None
+        else [float(optimizer.param_groups[0]["lr"])]
+    )
+    peak = max(lrs)
+    warmup = next((i for i, lr in enumerate(lrs) if lr >= 0.95 * peak), 0)
+    if scheduler is None or lrs[0] >= 0.5 * peak:
+        findings.append(
+            Finding(
+                "no-warmup",
+                "warning",
+                f"the LR starts at {lrs[0]:.3g}, already near its peak {peak:.3g}: no warmup",
+                "warm the LR up linearly from 0 over 1-5% of the steps (e.g. with LambdaLR)",
+            )
+        )
+    elif total and warmup < 0.01 * total:
+        findings.append(
+            Finding(
+                "short-warmup",
+                "warning",
+                f"the warmup lasts {warmup} steps, {warmup / total:.2%} of {total}: under 1%",
+                f"warm up over at least {math.ceil(0.01 * total)} steps (1-5% of the run)",
+            )
+        )
+    limit = peak_lr_limit(n_params)
+    slack = SMALL_MODEL_SLACK if n_params < PEAK_LR_TABLE[0][0] else 1.0
+    if peak > slack * limit:
+        findings.append(
+            Finding(
+                "peak-lr",
+                "warning",
+                f"peak LR {peak:.3g} is above {slack * limit:.3g} for a model of "
+                f"{n_params / 1e6:,.1f}M parameters (the seed's table: 7B 3e-4, 70B 1e-4, "
+                "405B 8e-5)",
+                f"lower the peak LR to about {limit:.2g}",
+            )
+        )
+    return findings
+
+
+def _adam(optimizer: torch.optim.Optimizer) -> list[Finding]:
+    findings = []
+    for i, group in enumerate(optimizer.param_groups):
+        betas = group.get("betas")
+        if betas is None:
+            continue
+        if float(betas[1]) > 0.99:
+            findings.append(
+                Finding(
+                    "adam-beta2",
+                    "warning",
+                    f"param group {i}: Adam beta2 {float(betas[1])} > 0.99 reacts slowly when "
+                    "the gradient scale changes, which lets loss spikes grow",
+                    "use beta2 = 0.95 (common for large transformers)",
+                )
+            )
+        eps = float(group.get("eps", 0.0))
+        scales = [
+            float(state["exp_avg_sq"].sqrt().median())
+            for p in group["params"]
+            if (state := optimizer.state.get(p)) and "exp_avg_sq" in state
+        ]
+        typical = sorted(scales)[len(scales) // 2] if scales else None
+        too_large = eps > 0.1 * typical if typical else eps >= 1e-5
+        if too_large:
+            against = f"the typical gradient scale {typical:.3g}" if typical else "1e-5"
+            findings.append(
+                Finding(
+                    "adam-eps",
+                    "warning",
+                    f"param group {i}: Adam epsilon {eps:.3g} is large against {against}: it "
+                    "damps the updates of small-gradient parameters",
+                    "use epsilon 1e-8 (or 1e-6 below that scale's tenth)",
+                )
+            )
+            break
+    return findings
+
+
+def _precision(model: nn.Module, scaler: Any, autocast: torch.dtype | None) -> list[Finding]:
+    fp16 = autocast == torch.float16 or any(p.dtype == torch.float16 for p in model.parameters())
+    scaled = scaler is not None and scaler.is_enabled()
+    if fp16 and not scaled:
+        return [
+            Finding(
+                "fp16-no-scaler",
+                "critical",
+                "fp16 training without a GradScaler: small gradients underflow to zero and "
+                "large ones overflow",
+                "pass torch.amp.GradScaler() to the Guard, or train in bf16",
+            )
+        ]
+    return []
+
+
+def _post_ln(model: nn.Module) -> list[Finding]:
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
+    ]
+    post = [m for m in layers if not m.norm_first]
+    if len(post) > 24 and not getattr(model, "deepnorm", False):
+        return [
+            Finding(
+                "post-ln-depth",
+                "warning",
+                f"{len(post)} post-LN transformer layers: beyond 24, post-LN diverges without "
+                "DeepNorm's residual scaling",
+                "use pre-LN (norm_first=True), or DeepNorm's residual scaling and init",
+            )
+        ]
+    return []
+
+
+def _depth(model: nn.Module) -> int:
+    """The number of repeated blocks: the longest ModuleList or Sequential of one block class."""
+    depth = 0
+    for m in model.modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m):
+            kinds = {type(c) for c in m}
+            if len(kinds) == 1 and not isinstance(m[0], (nn.Linear, nn.ReLU, nn.GELU)):
+                depth = max(depth, len(m))
+    return depth
+
+
+def _init(model: nn.Module, n_layers: int) -> list[Finding]:
+    findings: list[Finding] = []
+    named = dict(model.named_parameters())
+    weights = [
+        (name, p)
+        for name, p in named.items()
+        if p.dim() == 2 and name.endswith("weight") and not RESIDUAL_OUT.search(name)
+    ]
+    if weights:
+        stds = sorted(float(p.detach().float().std()) for _, p in weights)
+        typical = stds[len(stds) // 2]
+        if not 0.01 <= typical <= 0.04:
+            findings.append(
+                Finding(
+                    "init-std",
+                    "info",
+                    f"the typical weight std at init is {typical:.3g}, far from 0.02",
+                    "initialise weights and embeddings with normal(0, 0.02)",
+                )
+            )
+    if n_layers:
+        expected = 0.02 / math.sqrt(2 * n_layers)
+        unscaled = [
+            name
+            for name, p in named.items()
+            if RESIDUAL_OUT.search(name) and float(p.detach().float().std()) > 1.5 * expected
+        ]
+        if unscaled:
+            findings.append(
+                Finding(
+                    "residual-init",
+                    "warning",
+                    f"{len(unscaled)} residual output projection(s) not scaled by "
+                    f"1/sqrt(2 x {n_layers} layers) (std over {1.5 * expected:.3g}): "
+                    + ", ".join(unscaled[:5]),
+                    f"initialise them with std 0.02/sqrt(2 x {n_layers}) = {expected:.3g}",
+                )
+            )
+    biased = [
+        name
+        for name, p in named.items()
+        if name.endswith("bias") and bool(p.detach().abs().max() > 0)
+    ]
+    if biased:
+        findings.append(
+            Finding(
+                "nonzero-bias",
+                "info",
+                f"{len(biased)} bias(es) are not zero at init: " + ", ".join(biased[:5]),
+                "initialise biases to zero",
+            )
+        )
+    return findings
+
+
+def describe(findings: Sequence[Finding]) -> str:
+    return "\n".join(f"[{f.severity}] {f.code}: {f.message}; fix: {f.fix}" for f in findings)

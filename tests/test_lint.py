@@ -1,0 +1,109 @@
+"""The set-up lint: each finding raised by a planted mistake, and silent on a clean set-up."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+from trainguard.demo import TinyGPT
+from trainguard.diagnosis.lint import lint, peak_lr_limit
+
+from helpers import read_jsonl
+
+TOTAL = 10_000
+
+
+def clean_setup(**changes):
+    """TinyGPT with scaled residual projections, AdamW (0.9, 0.95), warmup over 2%."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
+                p.normal_(0, 0.02 / math.sqrt(2 * 2))
+    kwargs = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8}
+    kwargs.update(changes.pop("optimizer", {}))
+    opt = torch.optim.AdamW(model.parameters(), **kwargs)
+    warmup = changes.pop("warmup", 200)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    setup = {"model": model, "optimizer": opt, "scheduler": sched, "total_steps": TOTAL}
+    setup.update(changes)
+    return setup
+
+
+def codes(setup) -> list[str]:
+    return [f.code for f in lint(**setup)]
+
+
+def test_a_clean_setup_is_silent():
+    setup = clean_setup()
+    assert codes(setup) == []
+    assert setup["optimizer"].param_groups[0]["lr"] == pytest.approx(1e-3 / 200)  # untouched
+    assert setup["scheduler"].last_epoch == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "code"),
+    [
+        ({"scheduler": None}, "no-warmup"),
+        ({"warmup": 50}, "short-warmup"),
+        ({"optimizer": {"lr": 1.0}}, "peak-lr"),  # the line extrapolated to 30k parameters
+        ({"optimizer": {"betas": (0.9, 0.999)}}, "adam-beta2"),
+        ({"optimizer": {"eps": 1e-4}}, "adam-eps"),
+        ({"max_grad_norm": None}, "no-clipping"),
+        ({"autocast_dtype": torch.float16}, "fp16-no-scaler"),
+    ],
+)
+def test_each_planted_mistake_is_found(change, code):
+    setup = clean_setup(**change)
+    if change.get("scheduler", 1) is None:
+        setup["scheduler"] = None
+    assert codes(setup) == [code]
+
+
+def test_init_mistakes_are_found():
+    setup = clean_setup()
+    torch.manual_seed(1)
+    setup["model"] = TinyGPT()  # residual projections at 0.02; fine otherwise
+    assert codes(setup) == ["residual-init"]
+    with torch.no_grad():
+        setup["model"].blocks[0].mlp[0].bias.fill_(0.1)
+        for p in setup["model"].parameters():
+            if p.dim() == 2:
+                p.mul_(5)
+    assert set(codes(setup)) >= {"init-std", "nonzero-bias"}
+
+
+def test_post_ln_depth():
+    layer = nn.TransformerEncoderLayer(16, 2, 32, norm_first=False)
+    deep = nn.TransformerEncoder(layer, num_layers=32, enable_nested_tensor=False)
+    assert "post-ln-depth" in [f.code for f in lint(deep)]
+    pre = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(16, 2, 32, norm_first=True), 32, enable_nested_tensor=False
+    )
+    assert "post-ln-depth" not in [f.code for f in lint(pre)]
+
+
+def test_peak_lr_table():
+    assert peak_lr_limit(int(7e9)) == pytest.approx(3e-4)
+    assert peak_lr_limit(int(70e9)) == pytest.approx(1e-4)
+    assert peak_lr_limit(int(405e9)) == pytest.approx(8e-5)
+    assert 1e-4 < peak_lr_limit(int(20e9)) < 3e-4
+
+
+def test_the_guard_lints_once_at_the_start(tmp_path):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # beta2 0.999, no warmup
+    guard = tg.Guard(model, opt, config=tg.GuardConfig(console=False), run_dir=tmp_path)
+    guard.close()
+    lint_events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "lint"]
+    found = {e["metrics"]["code"] for e in lint_events}
+    assert {"no-warmup", "adam-beta2", "residual-init"} <= found
+    assert all(e["severity"] == "info" and "fix:" in e["message"] for e in lint_events)
+    off = tg.GuardConfig(console=False, diagnosis={"lint": False})
+    assert tg.Guard(model, opt, config=off).findings == []
