@@ -359,3 +359,22 @@ def test_spike_type_gradient_explosion_when_the_loss_builds_up_just_before():
     events = feed(LossSpikeDetector(), y[:597])
     (spike,) = [e for e in events if e.kind == "loss_spike"]
     assert spike.type == "gradient_explosion" and "building up" in spike.message
+
+
+def test_grad_spike_names_the_group_that_moved_first():
+    det = GradSpikeDetector()
+    events = []
+    for step in range(120):
+        groups = {"tok_emb": 0.2, "blocks.0": 0.3, "blocks.1": 0.3, "head": 0.1}
+        if step >= 100:
+            groups["blocks.1"] = 1.2  # blocks.1 leaves its history at step 100, quietly
+        if step >= 103:
+            groups["head"] = 5.0  # the head follows, later but bigger
+        total = math.sqrt(sum(v * v for v in groups.values()))
+        point = MetricPoint(step=step, loss=2.0, grad_norm=total, group_grad_norms=groups)
+        events += det.update(point)
+    (spike,) = events
+    assert spike.step == 103  # the global norm crosses 5x only when the head joins
+    first = spike.metrics["first_group"]
+    assert first["group"] == "blocks.1" and first["since_step"] == 100
+    assert first["ratio"] == pytest.approx(4.0) and "blocks.1 moved first" in spike.message

@@ -338,3 +338,22 @@ def test_a_nan_that_does_not_come_back_on_replay_is_reported_transient(tmp_path)
     assert all(p.grad is None for p in model.parameters())  # the replay left no gradients
     logged = [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] != "lint"]
     assert logged == ["nonfinite", "nan_origin"]
+
+
+def test_grad_spike_event_carries_a_per_group_gradient_report(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    guard = tg.Guard(model, opt, config=quiet(), run_dir=tmp_path)
+    x = torch.randn(4, 8)
+    for _ in range(25):
+        guard.step(backward(model, x))
+        opt.zero_grad()
+    decision = guard.step(backward(model, x * 100))
+    (spike,) = [e for e in decision.events if e.kind == "grad_spike"]
+    report = spike.metrics["group_report"]
+    assert set(report) == {"0", "2"}
+    assert decision.action == "skip"
+    assert report["0"]["n"] == 2 and report["0"]["max"] >= report["0"]["mean"] > 0
+    assert report["0"]["p99"] <= report["0"]["max"]
+    logged = next(e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "grad_spike")
+    assert logged["metrics"]["group_report"]["2"]["n"] == 2

@@ -443,6 +443,8 @@ class Guard:
                 if len(ids) > MAX_BATCH_IDS:
                     event.metrics["batch_ids_total"] = len(ids)
         for event in events:
+            if self.stats is not None and event.kind in ("grad_spike", "grad_explosion"):
+                event.metrics["group_report"] = self.stats.group_report()
             self._emit(event)
         self.action_counts[decision.action] += 1
         return decision

@@ -8,7 +8,7 @@ from collections import deque
 from typing import Any
 
 from trainguard.config import GradExplosionConfig, GradSpikeConfig, VanishingConfig
-from trainguard.detectors.base import Detector, MetricPoint, SpikeRun, fmt
+from trainguard.detectors.base import Detector, MetricPoint, SpikeRun, StateParts, fmt
 from trainguard.detectors.stats import mean, median
 from trainguard.events import Event, Severity
 
@@ -18,23 +18,60 @@ def _finite_grad(point: MetricPoint) -> float | None:
     return g if g is not None and math.isfinite(g) and point.nonfinite_grads == 0 else None
 
 
+DEPARTURE = 3.0  # a group whose norm passes this x its own average has left its history
+
+
+class GroupHistory(StateParts):
+    """Each layer group's own grad-norm average, and when each one left it: so an incident can
+    name the group that moved first."""
+
+    def __init__(self, alpha: float = 0.05) -> None:
+        self.alpha = alpha
+        self.average: dict[str, float] = {}
+        self.departed: dict[str, list[float]] = {}  # group -> [step, ratio at departure]
+
+    def update(self, point: MetricPoint) -> None:
+        for name, norm in (point.group_grad_norms or {}).items():
+            if not math.isfinite(norm):
+                continue
+            avg = self.average.get(name)
+            if avg is None or avg <= 0:
+                self.average[name] = norm
+                continue
+            ratio = norm / avg
+            if ratio > DEPARTURE:
+                self.departed.setdefault(name, [point.step, ratio])
+            else:
+                self.departed.pop(name, None)
+                self.average[name] = (1 - self.alpha) * avg + self.alpha * norm
+
+    def first_mover(self) -> dict[str, Any] | None:
+        """The group that left its history first (the larger jump on a tie), with its figures."""
+        if not self.departed:
+            return None
+        name, (step, ratio) = min(self.departed.items(), key=lambda kv: (kv[1][0], -kv[1][1]))
+        return {"group": name, "since_step": int(step), "ratio": ratio}
+
+
 class GradSpikeDetector(Detector):
     """Global gradient norm over `ratio_threshold` x the mean of recent non-spike norms, or over
     `abs_limit`. One event per incident; a norm that stays high for a quarter of the window is
     taken as the new level."""
 
     name = "grad_spike"
-    _state = ("window", "run")
+    _state = ("window", "run", "groups")
 
     def __init__(self, config: GradSpikeConfig | None = None) -> None:
         self.config = config or GradSpikeConfig()
         self.window: deque[float] = deque(maxlen=self.config.window)
         self.run = SpikeRun(max(self.config.window // 4, 2))
+        self.groups = GroupHistory()
 
     def update(self, point: MetricPoint) -> list[Event]:
         g = _finite_grad(point)
         if g is None:
             return []
+        self.groups.update(point)
         cfg = self.config
         base = mean(list(self.window)) if len(self.window) >= cfg.warmup else None
         ratio = g / base if base else None
@@ -57,14 +94,20 @@ class GradSpikeDetector(Detector):
             message = f"gradient norm {fmt(g)} is {fmt(ratio)}x its recent mean {fmt(base)}"
         else:
             message = f"gradient norm {fmt(g)} is over the absolute limit {fmt(cfg.abs_limit)}"
-        return [
-            self.event(
-                point,
-                "warning",
-                message,
-                {"grad_norm": g, "baseline_mean": base, "ratio": ratio, "abs_limit": cfg.abs_limit},
+        metrics: dict[str, Any] = {
+            "grad_norm": g,
+            "baseline_mean": base,
+            "ratio": ratio,
+            "abs_limit": cfg.abs_limit,
+        }
+        first = self.groups.first_mover()
+        if first is not None:
+            metrics["first_group"] = first
+            message += (
+                f"; {first['group']} moved first ({fmt(first['ratio'])}x its own level, "
+                f"from step {first['since_step']})"
             )
-        ]
+        return [self.event(point, "warning", message, metrics)]
 
 
 class GradExplosionDetector(Detector):
@@ -72,17 +115,19 @@ class GradExplosionDetector(Detector):
     all, or that passed `abs_limit`; one event until the growth breaks."""
 
     name = "grad_explosion"
-    _state = ("history", "active")
+    _state = ("history", "active", "groups")
 
     def __init__(self, config: GradExplosionConfig | None = None) -> None:
         self.config = config or GradExplosionConfig()
         self.history: deque[float] = deque(maxlen=self.config.growth_steps + 1)
         self.active = False
+        self.groups = GroupHistory()
 
     def update(self, point: MetricPoint) -> list[Event]:
         g = _finite_grad(point)
         if g is None:
             return []
+        self.groups.update(point)
         cfg = self.config
         self.history.append(g)
         h = list(self.history)
@@ -108,7 +153,11 @@ class GradExplosionDetector(Detector):
         else:
             message = f"gradient norm {fmt(g)} is over the absolute limit {fmt(cfg.abs_limit)}"
             severity = "critical"
-        metrics = {"grad_norm": g, "history": h, "abs_limit": cfg.abs_limit}
+        metrics: dict[str, Any] = {"grad_norm": g, "history": h, "abs_limit": cfg.abs_limit}
+        first = self.groups.first_mover()
+        if first is not None:
+            metrics["first_group"] = first
+            message += f"; {first['group']} moved first, from step {first['since_step']}"
         return [self.event(point, severity, message, metrics)]
 
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -98,6 +99,7 @@ class GradientStats:
         self._layouts: dict[tuple[int, ...] | None, _Layout] = {}
         self._full = self._make_layout(None)
         self._prev_params: list[torch.Tensor] | None = None
+        self._last: tuple[torch.Tensor, _Layout] | None = None
         self._pending: tuple[int, torch.Tensor] | None = None
 
     # -- layout ---------------------------------------------------------------------------
@@ -147,6 +149,7 @@ class GradientStats:
             present = tuple(i for i, g in enumerate(all_grads) if g is not None)
             layout = self._layouts.get(present) or self._make_layout(present)
         norms = self._norms(grads, layout)
+        self._last = (norms, layout)  # kept on the device for a report on an incident step
         sq = norms.square()
         total = sq.sum().sqrt()
         nonfinite = (~torch.isfinite(norms)).to(torch.float32)
@@ -224,6 +227,27 @@ class GradientStats:
             next(lr_values) if isinstance(lr, torch.Tensor) else float(lr) for lr in m.lrs
         ]
         return signals
+
+    def group_report(self) -> dict[str, dict[str, float]]:
+        """Per layer group: count, mean, std, max and p99 of the parameters' gradient norms at
+        the last measured step. A second host transfer: for incident steps only."""
+        if self._last is None:
+            return {}
+        norms_t, layout = self._last
+        norms = norms_t.double().cpu().numpy()
+        index = layout.group_index.cpu().numpy()
+        report: dict[str, dict[str, float]] = {}
+        for g, name in enumerate(self.groups.group_names):
+            values = norms[index == g]
+            if len(values):
+                report[name] = {
+                    "n": float(len(values)),
+                    "mean": float(values.mean()),
+                    "std": float(values.std()),
+                    "max": float(values.max()),
+                    "p99": float(np.percentile(values, 99)),
+                }
+        return report
 
     # -- around the optimizer step ---------------------------------------------------------
     @torch.no_grad()
