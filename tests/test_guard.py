@@ -341,6 +341,7 @@ def test_a_nan_that_does_not_come_back_on_replay_is_reported_transient(tmp_path)
 
 
 def test_grad_spike_event_carries_a_per_group_gradient_report(tmp_path):
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     guard = tg.Guard(model, opt, config=quiet(), run_dir=tmp_path)
