@@ -7,7 +7,8 @@ loss.backward(); decision = guard.step(loss, batch_ids=ids)
 
 from trainguard.config import GuardConfig
 from trainguard.detectors import DetectorSuite, MetricPoint
-from trainguard.diagnosis import NonFiniteReport, trace_nonfinite
+from trainguard.diagnosis import NonFiniteReport, ScanResult, scan, trace_nonfinite
+from trainguard.diagnosis.lint import Finding, lint
 from trainguard.events import (
     ConfigError,
     Decision,
@@ -24,12 +25,16 @@ __all__ = [
     "Decision",
     "DetectorSuite",
     "Event",
+    "Finding",
     "Guard",
     "GuardConfig",
     "MetricPoint",
     "NonFiniteReport",
+    "ScanResult",
     "TrainguardError",
     "TrainingHalted",
     "__version__",
+    "lint",
+    "scan",
     "trace_nonfinite",
 ]

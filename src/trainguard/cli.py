@@ -91,7 +91,51 @@ def lint_command(
         raise typer.Exit(1)
 
 
-def _load_setup(target: str) -> dict[str, Any]:
+@app.command("scan")
+def scan_command(
+    target: Annotated[
+        str,
+        typer.Argument(
+            help="MODULE:FUNCTION or FILE.py:FUNCTION returning (model, batches, "
+            "per_sample_loss_fn) or a dict with those keys (and optionally 'ids', 'text')."
+        ),
+    ],
+    run_dir: Annotated[
+        Path, typer.Option(help="The run directory whose quarantine.jsonl gets the samples.")
+    ],
+    z: Annotated[float, typer.Option(help="Robust z over the dataset that flags a sample.")] = 5.0,
+    perplexity: Annotated[
+        float | None, typer.Option(help="Also flag samples with a perplexity over this.")
+    ] = None,
+) -> None:
+    """Scan a dataset offline for toxic samples and quarantine them for the guard."""
+    from trainguard.diagnosis.scan import scan
+
+    setup = _load_setup(target, ("model", "batches", "per_sample_loss_fn"))
+    extra = {k: setup[k] for k in ("ids", "text") if k in setup}
+    result = scan(
+        setup["model"],
+        setup["batches"],
+        setup["per_sample_loss_fn"],
+        z_threshold=z,
+        perplexity=perplexity,
+        quarantine_path=run_dir / "quarantine.jsonl",
+        **extra,
+    )
+    console = Console()
+    console.print(
+        f"scanned {result.scanned} samples (median loss {result.median_loss:.4g}); "
+        f"{len(result.flagged)} flagged"
+        + (f" and quarantined in {result.quarantine}" if result.flagged else "")
+    )
+    for s in result.flagged[:20]:
+        preview = f"  {s.preview!r}" if s.preview else ""
+        console.print(f"  {s.id}: loss {s.loss:.4g} (z={s.z:.1f}){preview}", highlight=False)
+
+
+def _load_setup(
+    target: str, keys: tuple[str, ...] = ("model", "optimizer", "scheduler", "scaler")
+) -> dict[str, Any]:
     import importlib
     import importlib.util
     import sys
@@ -122,7 +166,6 @@ def _load_setup(target: str) -> dict[str, Any]:
     if isinstance(built, dict):
         setup = dict(built)
     elif isinstance(built, (tuple, list)):
-        keys = ("model", "optimizer", "scheduler", "scaler")
         setup = dict(zip(keys, built, strict=False))
     else:
         setup = {"model": built}

@@ -6,13 +6,16 @@ from trainguard.diagnosis.nonfinite_trace import (
     NonFiniteReport,
     trace_nonfinite,
 )
+from trainguard.diagnosis.scan import ScanResult, scan
 from trainguard.diagnosis.spike_samples import SpikeSample, blame_samples
 
 __all__ = [
     "ModuleRecord",
     "NonFiniteOrigin",
     "NonFiniteReport",
+    "ScanResult",
     "SpikeSample",
     "blame_samples",
+    "scan",
     "trace_nonfinite",
 ]
