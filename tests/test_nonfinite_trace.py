@@ -68,6 +68,12 @@ def test_fp16_overflow_in_attention_scores_with_the_headroom_hint():
     assert "float16 overflow" in origin.hint and "65504" in origin.hint
     linear = next(r for r in report.records if r.module == "0" and r.direction == "forward")
     assert linear.absmax > 100 and linear.nonfinite == 0 and linear.headroom < 1
+    assert linear.parameters is not None and linear.parameters.absmax > 10  # weights x300
+    assert linear.inputs is not None and linear.inputs.nonfinite == 0
+    scores = next(r for r in report.records if r.module == "1" and r.direction == "forward")
+    assert scores.outputs.dtype == "float32" and scores.inputs.dtype == "float32"
+    grads = [r for r in report.records if r.direction == "backward"]
+    assert grads and all(r.parameters is None for r in grads)
 
 
 def test_sqrt_at_zero_is_nan_only_in_backward():

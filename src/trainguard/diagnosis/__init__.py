@@ -4,6 +4,7 @@ from trainguard.diagnosis.nonfinite_trace import (
     ModuleRecord,
     NonFiniteOrigin,
     NonFiniteReport,
+    TensorStats,
     trace_nonfinite,
 )
 from trainguard.diagnosis.scan import ScanResult, scan
@@ -15,6 +16,7 @@ __all__ = [
     "NonFiniteReport",
     "ScanResult",
     "SpikeSample",
+    "TensorStats",
     "blame_samples",
     "scan",
     "trace_nonfinite",

@@ -22,17 +22,57 @@ FRAMES = 20
 
 
 @dataclass
-class ModuleRecord:
-    """What one module saw in one pass: abs-max, abs-min and non-finite counts of its outputs."""
+class TensorStats:
+    """Abs-max, abs-min (of finite values) and non-finite count of some tensors, and the dtype
+    headroom absmax / finfo.max (near 1: overflow is close)."""
 
-    module: str
-    module_type: str
-    direction: Direction
     absmax: float
     absmin: float
     nonfinite: int
     dtype: str
-    headroom: float  # absmax / finfo(dtype).max: near 1 means overflow is close
+    headroom: float
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> TensorStats | None:
+        data = [t.detach() for t in tensors if t.numel()]
+        if not data:
+            return None
+        finite = [t[torch.isfinite(t)].abs() for t in data]
+        absmax = max((float(t.max()) for t in finite if t.numel()), default=math.nan)
+        absmin = min((float(t.min()) for t in finite if t.numel()), default=math.nan)
+        dtype = data[0].dtype
+        return cls(
+            absmax=absmax,
+            absmin=absmin,
+            nonfinite=sum(int((~torch.isfinite(t)).sum()) for t in data),
+            dtype=str(dtype).replace("torch.", ""),
+            headroom=absmax / torch.finfo(dtype).max if math.isfinite(absmax) else math.nan,
+        )
+
+
+@dataclass
+class ModuleRecord:
+    """What one module saw in one pass: its outputs, inputs and own parameters in the forward;
+    the gradients with respect to its outputs and its inputs in the backward."""
+
+    module: str
+    module_type: str
+    direction: Direction
+    outputs: TensorStats
+    inputs: TensorStats | None = None
+    parameters: TensorStats | None = None
+
+    @property
+    def absmax(self) -> float:
+        return self.outputs.absmax
+
+    @property
+    def nonfinite(self) -> int:
+        return self.outputs.nonfinite
+
+    @property
+    def headroom(self) -> float:
+        return self.outputs.headroom
 
 
 @dataclass
@@ -169,26 +209,29 @@ class _TraceState:
             dtype=str(outputs[0].dtype).replace("torch.", ""),
         )
 
-    def record(self, name: str, module: nn.Module, tensors: list[torch.Tensor]) -> None:
-        if len(self.records) >= MAX_RECORDS or not tensors:
+    def record(
+        self,
+        name: str,
+        module: nn.Module,
+        produced: list[torch.Tensor],
+        received: list[torch.Tensor],
+    ) -> None:
+        if len(self.records) >= MAX_RECORDS:
             return
-        data = [t.detach() for t in tensors if t.numel()]
-        if not data:
+        outputs = TensorStats.of(produced)
+        if outputs is None:
             return
-        finite = [t[torch.isfinite(t)].abs() for t in data]
-        absmax = max((float(t.max()) for t in finite if t.numel()), default=math.nan)
-        absmin = min((float(t.min()) for t in finite if t.numel()), default=math.nan)
-        dtype = data[0].dtype
+        params: list[torch.Tensor] = [
+            p for p in module.parameters(recurse=False) if p.is_floating_point()
+        ]
         self.records.append(
             ModuleRecord(
                 module=name,
                 module_type=type(module).__name__,
                 direction=self.direction,
-                absmax=absmax,
-                absmin=absmin,
-                nonfinite=sum(int((~torch.isfinite(t)).sum()) for t in data),
-                dtype=str(dtype).replace("torch.", ""),
-                headroom=absmax / torch.finfo(dtype).max if math.isfinite(absmax) else math.nan,
+                outputs=outputs,
+                inputs=TensorStats.of(received),
+                parameters=TensorStats.of(params) if self.direction == "forward" else None,
             )
         )
 
@@ -240,8 +283,10 @@ def _push(state: _TraceState, name: str, module: nn.Module) -> Callable[..., Non
 
 
 def _pop(state: _TraceState, name: str, module: nn.Module) -> Callable[..., None]:
-    def hook(mod: nn.Module, inputs: Any, outputs: Any) -> None:
-        state.record(name, module, _floats(outputs))
+    def hook(mod: nn.Module, first: Any, second: Any) -> None:
+        # forward hooks get (inputs, outputs), full backward hooks (grad_input, grad_output):
+        # either way the second is about the module's outputs
+        state.record(name, module, _floats(second), _floats(first))
         if state.stack and state.stack[-1][0] == name:
             state.stack.pop()
 
