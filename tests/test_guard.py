@@ -358,3 +358,29 @@ def test_grad_spike_event_carries_a_per_group_gradient_report(tmp_path):
     assert report["0"]["p99"] <= report["0"]["max"]
     logged = next(e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "grad_spike")
     assert logged["metrics"]["group_report"]["2"]["n"] == 2
+
+
+def test_console_prints_the_nan_origin_as_a_block():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from trainguard.sinks import ConsoleSink
+
+    out = StringIO()
+    sink = ConsoleSink(Console(file=out, width=200))
+    sink.on_event(
+        Event(
+            step=3,
+            kind="nan_origin",
+            severity="critical",
+            message="NaN/Inf first appeared in forward of blocks.0.mlp (Sequential)",
+            metrics={"frames": ["model.py:10 in forward: return torch.log(x)"]},
+            action="skip",
+        )
+    )
+    sink.on_event(Event(step=4, kind="stall", severity="info", message="quiet"))
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("trainguard step 3 CRITICAL nan_origin")
+    assert lines[1].strip() == "model.py:10 in forward: return torch.log(x)"
+    assert len(lines) == 2  # info events stay off the console

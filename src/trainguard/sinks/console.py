@@ -30,3 +30,6 @@ class ConsoleSink(Sink):
             highlight=False,
             soft_wrap=True,
         )
+        frames = event.metrics.get("frames") if event.kind == "nan_origin" else None
+        for frame in frames or []:  # the code that made the NaN, innermost last
+            self.console.print(f"    {escape(str(frame))}", style="dim", highlight=False)
