@@ -25,15 +25,8 @@ from pathlib import Path
 import torch
 
 import trainguard as tg
-from _results import write_section
-from trainguard.demo import MarkovCorpus, TinyGPT, TinyGPTConfig
-
-
-def make(device: torch.device, seed: int = 0) -> tuple[TinyGPT, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    cfg = TinyGPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256)
-    model = TinyGPT(cfg).to(device)
-    return model, torch.optim.AdamW(model.parameters(), lr=3e-4)
+from _common import gpt, write_section
+from trainguard.demo import MarkovCorpus
 
 
 def main() -> None:
@@ -50,9 +43,9 @@ def main() -> None:
         for b in corpus.batches(16, 128, args.steps + args.warmup, seed=1)
     ]
 
-    plain_model, plain_opt = make(device)
-    guard_model, guard_opt = make(device)
-    seed_model, seed_opt = make(device)
+    plain_model, plain_opt = gpt(device)
+    guard_model, guard_opt = gpt(device)
+    seed_model, seed_opt = gpt(device)
     run_dir = Path(tempfile.mkdtemp(prefix="tg-overhead-"))
     guard = tg.Guard(guard_model, guard_opt, config=tg.GuardConfig(console=False), run_dir=run_dir)
     window: deque[float] = deque(maxlen=100)

@@ -21,17 +21,10 @@ from pathlib import Path
 import torch
 
 import trainguard as tg
-from _results import write_section
+from _common import gpt, write_section
 from trainguard.actions.snapshots import SnapshotRing
-from trainguard.demo import MarkovCorpus, TinyGPT, TinyGPTConfig
+from trainguard.demo import MarkovCorpus, TinyGPT
 from trainguard.demo.scenarios import FAULTS, run_scenario
-
-
-def gpt() -> tuple[TinyGPT, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    cfg = TinyGPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256)
-    model = TinyGPT(cfg)
-    return model, torch.optim.AdamW(model.parameters(), lr=3e-4)
 
 
 def trained(run_dir: Path, asynchronous: bool) -> tuple[tg.Guard, TinyGPT]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from trainguard.detectors.stats import MAD_TO_SIGMA, median
@@ -23,13 +23,7 @@ class SpikeSample:
     preview: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "id": self.id,
-            "loss": self.loss,
-            "z": self.z,
-            "preview": self.preview,
-        }
+        return asdict(self)
 
 
 def blame_samples(
