@@ -24,6 +24,8 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/recovery.py
+	$(BIN)/python benchmarks/diagnosis.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import trainguard as tg
 from trainguard.demo import TinyGPT
-from trainguard.diagnosis import blame_samples
+from trainguard.diagnosis import blame_samples, lm_cross_entropy
 
 from helpers import corpus, read_jsonl
 
@@ -31,9 +32,9 @@ def test_two_bad_samples_out_of_sixteen_are_both_named(tmp_path):
         loss = per_sample.mean()
         loss.backward()
         text = [f"sample starting at {i}" for i in batch.ids]
-        decision = guard.step(
-            loss, batch_ids=batch.ids, per_sample_losses=per_sample, sample_text=text
-        )
+        lazy = step == 120  # at the spike, a closure: computed only because the step spiked
+        losses = (lambda x=batch.x, y=y: lm_cross_entropy(model(x), y)) if lazy else per_sample
+        decision = guard.step(loss, batch_ids=batch.ids, per_sample_losses=losses, sample_text=text)
         opt.zero_grad(set_to_none=True)
         if step == 120:
             kinds = [e.kind for e in decision.events]
@@ -47,6 +48,21 @@ def test_two_bad_samples_out_of_sixteen_are_both_named(tmp_path):
     guard.close()
     (record,) = read_jsonl(tmp_path / "quarantine.jsonl")
     assert set(record["sample_ids"]) == bad_ids  # the two samples, not the whole batch's ids
+
+
+def test_lm_cross_entropy_matches_the_mean_token_loss_and_ignores_padding():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11)
+    targets = torch.randint(11, (3, 5))
+    per_sample = lm_cross_entropy(logits, targets)
+    assert per_sample.shape == (3,)
+    assert float(per_sample.mean()) == pytest.approx(
+        float(F.cross_entropy(logits.transpose(1, 2), targets))
+    )
+    padded = targets.clone()
+    padded[0, 3:] = -100
+    expected = F.cross_entropy(logits[0, :3], targets[0, :3])
+    assert float(lm_cross_entropy(logits, padded)[0]) == pytest.approx(float(expected))
 
 
 def test_blame_samples_robust_test_and_perplexity_option():

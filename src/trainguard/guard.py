@@ -123,7 +123,7 @@ class Guard:
         batch_ids: Iterable[Any] | None = None,
         sample_ids: Iterable[Any] | None = None,
         replay: Callable[[], torch.Tensor] | None = None,
-        per_sample_losses: torch.Tensor | None = None,
+        per_sample_losses: torch.Tensor | Callable[[], torch.Tensor] | None = None,
         sample_text: Sequence[str] | None = None,
     ) -> Decision:
         """Measure this step's gradients after `loss.backward()`, run the detectors, and step,
@@ -131,7 +131,8 @@ class Guard:
 
         `replay`, a closure that recomputes this step's loss, lets the guard trace where NaN/Inf
         first appeared; `per_sample_losses` (one per sample, left on the device and read only
-        on a spike) and `sample_text` let it name the samples behind a loss spike."""
+        on a spike; or a closure computing them, called only on a spike) and `sample_text` let
+        it name the samples behind a loss spike."""
         if self.stats is None or self.actions is None or self.optimizer is None:
             raise TrainguardError(
                 "guard.step needs an optimizer: build Guard(model, optimizer, ...), "
@@ -219,12 +220,15 @@ class Guard:
     def _blame(
         self,
         decision: Decision,
-        per_sample_losses: torch.Tensor,
+        per_sample_losses: torch.Tensor | Callable[[], torch.Tensor],
         ids: Iterable[Any] | None,
         text: Sequence[str] | None,
     ) -> list[Any]:
         """Name the samples that carry a loss spike; their ids, for the quarantine."""
         cfg = self.config.diagnosis
+        if callable(per_sample_losses) and not isinstance(per_sample_losses, torch.Tensor):
+            with torch.no_grad():
+                per_sample_losses = per_sample_losses()
         values: list[float] = per_sample_losses.detach().float().reshape(-1).tolist()
         id_list = [_plain(i) for i in ids] if ids is not None else None
         samples = blame_samples(values, id_list, text, cfg.sample_z, cfg.sample_perplexity)

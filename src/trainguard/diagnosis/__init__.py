@@ -8,7 +8,7 @@ from trainguard.diagnosis.nonfinite_trace import (
     trace_nonfinite,
 )
 from trainguard.diagnosis.scan import ScanResult, scan
-from trainguard.diagnosis.spike_samples import SpikeSample, blame_samples
+from trainguard.diagnosis.spike_samples import SpikeSample, blame_samples, lm_cross_entropy
 
 __all__ = [
     "ModuleRecord",
@@ -18,6 +18,7 @@ __all__ = [
     "SpikeSample",
     "TensorStats",
     "blame_samples",
+    "lm_cross_entropy",
     "scan",
     "trace_nonfinite",
 ]

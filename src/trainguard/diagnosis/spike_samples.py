@@ -7,9 +7,24 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+
 from trainguard.detectors.stats import MAD_TO_SIGMA, median
 
 PREVIEW_CHARS = 120
+
+
+def lm_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    """The standard LM loss per sample: token cross-entropy averaged over each sequence's
+    counted tokens. logits (batch, time, vocab), targets (batch, time)."""
+    tokens = F.cross_entropy(
+        logits.transpose(1, 2).float(), targets, ignore_index=ignore_index, reduction="none"
+    )
+    counted = (targets != ignore_index).sum(1).clamp_min(1)
+    return tokens.sum(1) / counted
 
 
 @dataclass
