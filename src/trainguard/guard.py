@@ -12,16 +12,14 @@ import torch
 from torch import nn
 
 from trainguard.actions import OptimizerActions
-from trainguard.actions.checkpoints import CheckpointStore
+from trainguard.actions.checkpoints import (
+    CheckpointStore,
+    restore_training_state,
+    training_state,
+)
 from trainguard.actions.data import GuardedBatches, default_batch_ids
 from trainguard.actions.quarantine import Quarantine
-from trainguard.actions.snapshots import (
-    SnapshotRing,
-    rng_from_plain,
-    rng_state,
-    rng_to_plain,
-    set_rng_state,
-)
+from trainguard.actions.snapshots import SnapshotRing, rng_state, set_rng_state
 from trainguard.config import GuardConfig
 from trainguard.detectors import DetectorSuite, MetricPoint
 from trainguard.diagnosis import blame_samples, trace_nonfinite
@@ -515,38 +513,17 @@ class Guard:
             raise TrainguardError("checkpoints need a run_dir: build the Guard with run_dir=...")
         step = self.global_step
         known_good = step - self._last_incident > self.config.recovery.snapshot_every
-        opt = self.optimizer.state_dict()
-        opt_tensors: dict[str, dict[str, torch.Tensor]] = {}
-        opt_plain: dict[str, dict[str, Any]] = {}
-        for pid, values in opt["state"].items():
-            for key, value in values.items():
-                if isinstance(value, torch.Tensor):
-                    opt_tensors.setdefault(str(pid), {})[key] = value
-                else:
-                    opt_plain.setdefault(str(pid), {})[key] = value
-        rng = rng_state()
-        tensors: dict[str, Any] = {
-            "model": self.model.state_dict(),
-            "optimizer": {"state": opt_tensors},
-            "rng": {"torch": rng["torch"]},
-        }
-        if "cuda" in rng:
-            tensors["rng"]["cuda"] = {str(i): t for i, t in enumerate(rng["cuda"])}
-        plain_rng = rng_to_plain({**rng, "cuda": []})
-        plain_rng.pop("cuda")
         if known_good:
             self._last_good_checkpoint = step
-        protected = set(self.checkpoints.protected)
-        plain = {
-            "guard": self.state_dict(),
-            "optimizer": {"param_groups": opt["param_groups"], "state": opt_plain},
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "rng": plain_rng,
-            "data": self._batches.state() if self._batches is not None else None,
-            "protected": sorted(protected),
-            "last_good_checkpoint": self._last_good_checkpoint,
-        }
+        tensors, plain = training_state(self.model, self.optimizer, self.scheduler, self.scaler)
+        plain.update(
+            {
+                "guard": self.state_dict(),
+                "data": self._batches.state() if self._batches is not None else None,
+                "protected": sorted(self.checkpoints.protected),
+                "last_good_checkpoint": self._last_good_checkpoint,
+            }
+        )
         manifest = {
             "trainguard_version": _version(),
             "known_good": known_good,
@@ -602,28 +579,9 @@ class Guard:
             return
         manifest, tensors, plain = found
         path = Path(manifest["path"])
-        model_state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
-        self.model.load_state_dict(model_state)
-        opt_state: dict[int, dict[str, Any]] = {}
-        for key, value in tensors.items():
-            if key.startswith("optimizer.state."):
-                pid, name = key[len("optimizer.state.") :].split(".", 1)
-                opt_state.setdefault(int(pid), {})[name] = value
-        for pid, values in plain["optimizer"]["state"].items():
-            opt_state.setdefault(int(pid), {}).update(values)
-        self.optimizer.load_state_dict(
-            {"state": opt_state, "param_groups": plain["optimizer"]["param_groups"]}
+        restore_training_state(
+            tensors, plain, self.model, self.optimizer, self.scheduler, self.scaler
         )
-        if self.scheduler is not None and plain["scheduler"] is not None:
-            self.scheduler.load_state_dict(plain["scheduler"])
-        if self.scaler is not None and plain["scaler"] is not None:
-            self.scaler.load_state_dict(plain["scaler"])
-        rng = rng_from_plain({**plain["rng"], "torch": []})
-        rng["torch"] = tensors["rng.torch"]
-        cuda = sorted(k for k in tensors if k.startswith("rng.cuda."))
-        if cuda:
-            rng["cuda"] = [tensors[k] for k in cuda]
-        set_rng_state(rng)
         self.load_state_dict(plain["guard"])
         self.checkpoints.protected = set(plain.get("protected", []))
         self._last_good_checkpoint = plain.get("last_good_checkpoint")

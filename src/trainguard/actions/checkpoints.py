@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from trainguard.actions.snapshots import rng_from_plain, rng_state, rng_to_plain, set_rng_state
 from trainguard.events import TrainguardError, _utc_now
 
 MANIFEST = "manifest.json"
@@ -297,3 +299,68 @@ class CheckpointStore:
             manifest["path"] = str(path)
             return manifest, tensors, plain
         return None
+
+
+def training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The run's state split in two: tensors for DCP (weights, optimizer moments, torch and CUDA
+    random states) and plain JSON-ready data (hyperparameters, scheduler, scaler, Python and
+    NumPy random states)."""
+    opt = optimizer.state_dict()
+    opt_tensors: dict[str, dict[str, torch.Tensor]] = {}
+    opt_plain: dict[str, dict[str, Any]] = {}
+    for pid, values in opt["state"].items():
+        for key, value in values.items():
+            target = opt_tensors if isinstance(value, torch.Tensor) else opt_plain
+            target.setdefault(str(pid), {})[key] = value
+    rng = rng_state()
+    tensors: dict[str, Any] = {
+        "model": model.state_dict(),
+        "optimizer": {"state": opt_tensors},
+        "rng": {"torch": rng["torch"]},
+    }
+    if "cuda" in rng:
+        tensors["rng"]["cuda"] = {str(i): t for i, t in enumerate(rng["cuda"])}
+    plain_rng = rng_to_plain({k: v for k, v in rng.items() if k != "cuda"})
+    plain = {
+        "optimizer": {"param_groups": opt["param_groups"], "state": opt_plain},
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "rng": plain_rng,
+    }
+    return tensors, plain
+
+
+def restore_training_state(
+    tensors: dict[str, torch.Tensor],
+    plain: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+) -> None:
+    """Put back what `training_state` captured, from a loaded checkpoint's flat tensors."""
+    model.load_state_dict(
+        {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+    )
+    opt_state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optimizer.state."):
+            pid, name = key[len("optimizer.state.") :].split(".", 1)
+            opt_state.setdefault(int(pid), {})[name] = value
+    for pid, values in plain["optimizer"]["state"].items():
+        opt_state.setdefault(int(pid), {}).update(values)
+    optimizer.load_state_dict(
+        {"state": opt_state, "param_groups": plain["optimizer"]["param_groups"]}
+    )
+    if scheduler is not None and plain["scheduler"] is not None:
+        scheduler.load_state_dict(plain["scheduler"])
+    if scaler is not None and plain["scaler"] is not None:
+        scaler.load_state_dict(plain["scaler"])
+    rng = rng_from_plain({**plain["rng"], "torch": []})
+    rng["torch"] = tensors["rng.torch"]
+    cuda = sorted(k for k in tensors if k.startswith("rng.cuda."))
+    if cuda:
+        rng["cuda"] = [tensors[k] for k in cuda]
+    set_rng_state(rng)
