@@ -44,6 +44,62 @@ def config(
     typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
 
 
+@app.command()
+def analyze(
+    path: Annotated[Path, typer.Argument(help="A CSV/TSV log with a header, or JSONL.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    config: Annotated[Path | None, typer.Option(help="A YAML or TOML GuardConfig.")] = None,
+    column: Annotated[str, typer.Option(help="The loss column.")] = "loss",
+    step_column: Annotated[str, typer.Option(help="The step column.")] = "step",
+) -> None:
+    """Judge an existing loss log with the guard's detectors: exit 0 when healthy, 1 when
+    incidents at warning or above were found, 2 on bad input."""
+    import json
+
+    from rich.table import Table
+
+    from trainguard.analysis import analyze as run_analysis
+    from trainguard.analysis import read_log
+
+    cfg = GuardConfig.load(config) if config is not None else GuardConfig(console=False)
+    data = read_log(path, loss_column=column, step_column=step_column)
+    result = run_analysis(data, cfg)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict()))
+    else:
+        for warning in data.warnings:
+            err.print(f"[yellow]warning:[/] {warning}", highlight=False)
+        table = Table(title=f"trainguard analyze {path}", title_justify="left")
+        for name in ("step", "kind", "type", "severity", "magnitude", "what"):
+            table.add_column(name, overflow="fold")
+        for e in result.events:
+            if e.severity == "info" and e.kind != "spike_classified":
+                continue
+            magnitude = e.metrics.get("ratio") or e.metrics.get("rise") or ""
+            table.add_row(
+                str(e.step),
+                e.kind,
+                e.type or "",
+                e.severity,
+                f"{magnitude:.3g}" if isinstance(magnitude, float) else str(magnitude),
+                e.message,
+            )
+        console = Console()
+        console.print(table)
+        s = result.summary
+        verdict = (
+            f"{len(result.incidents)} incident(s) at warning or above"
+            if result.incidents
+            else "healthy: no incident at warning or above"
+        )
+        console.print(
+            f"{s['steps']} steps ({s['first_step']}..{s['last_step']}), final loss "
+            f"{s['final_loss']:.4g}, loss spike score {s['spike_score']['loss']:.2e}: {verdict}"
+        )
+    if result.incidents:
+        raise typer.Exit(1)
+
+
 @app.command("lint")
 def lint_command(
     target: Annotated[

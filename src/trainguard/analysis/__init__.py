@@ -1,0 +1,6 @@
+"""Offline analysis of an existing training log: the same detectors as a live run."""
+
+from trainguard.analysis.logs import LogData, read_log
+from trainguard.analysis.report import Analysis, analyze, spike_score
+
+__all__ = ["Analysis", "LogData", "analyze", "read_log", "spike_score"]

@@ -1,0 +1,101 @@
+"""`analyze`: run the detectors over a log offline and judge it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trainguard.analysis.logs import LogData
+from trainguard.config import GuardConfig
+from trainguard.detectors import DetectorSuite, MetricPoint
+from trainguard.events import SEVERITY_RANK, Event
+
+SPIKE_WINDOW = 128
+SPIKE_SIGMAS = 6.0
+RECENT_STEPS = 10_000
+
+
+def spike_score(
+    values: np.ndarray, window: int = SPIKE_WINDOW, sigmas: float = SPIKE_SIGMAS
+) -> float:
+    """OLMo-core's spike score: the fraction of points more than `sigmas` standard deviations
+    above the mean of the `window` points before them."""
+    v = np.asarray(values, dtype=np.float64)
+    if len(v) <= window:
+        return 0.0
+    prior = np.lib.stride_tricks.sliding_window_view(v[:-1], window)
+    mean, std = prior.mean(axis=1), prior.std(axis=1)
+    later = v[window:]
+    return float(np.mean(later > mean + sigmas * std))
+
+
+@dataclass
+class Analysis:
+    """The events the detectors raised over a log, and a summary of the run."""
+
+    events: list[Event]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def incidents(self) -> list[Event]:
+        return [e for e in self.events if SEVERITY_RANK[e.severity] >= SEVERITY_RANK["warning"]]
+
+    def to_dict(self) -> dict[str, Any]:
+        keys = ("step", "kind", "severity", "type", "message", "metrics")
+        return {
+            "events": [{k: e.to_dict()[k] for k in keys} for e in self.events],
+            "summary": self.summary,
+        }
+
+
+def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
+    """The same detectors as a live run, fed one logged step at a time."""
+    suite = DetectorSuite(config or GuardConfig())
+    events: list[Event] = []
+    grad = data.extra.get("grad_norm")
+    lr = data.extra.get("lr")
+    scale = data.extra.get("loss_scale")
+    for i, step in enumerate(data.steps.tolist()):
+        point = MetricPoint(
+            step=int(step),
+            loss=float(data.loss[i]),
+            grad_norm=_value(grad, i),
+            lr=_value(lr, i),
+            loss_scale=_value(scale, i),
+        )
+        events += suite.update(point)
+    summary: dict[str, Any] = {
+        "steps": len(data.steps),
+        "first_step": int(data.steps[0]),
+        "last_step": int(data.steps[-1]),
+        "incidents": sum(SEVERITY_RANK[e.severity] >= 1 for e in events),
+        "by_kind": _count(e.kind for e in events),
+        "spike_score": {
+            "loss": spike_score(data.loss),
+            "loss_last_10k": spike_score(data.loss[-RECENT_STEPS:]),
+        },
+        "final_loss": float(data.loss[-1]),
+        "warnings": data.warnings,
+    }
+    if grad is not None:
+        finite = grad[np.isfinite(grad)]
+        summary["spike_score"]["grad_norm"] = spike_score(finite)
+        summary["spike_score"]["grad_norm_last_10k"] = spike_score(finite[-RECENT_STEPS:])
+    return Analysis(events, summary)
+
+
+def _value(column: np.ndarray | None, i: int) -> float | None:
+    if column is None:
+        return None
+    v = float(column[i])
+    return v if math.isfinite(v) else None
+
+
+def _count(kinds: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in kinds:
+        out[k] = out.get(k, 0) + 1
+    return out
