@@ -378,3 +378,10 @@ def test_grad_spike_names_the_group_that_moved_first():
     first = spike.metrics["first_group"]
     assert first["group"] == "blocks.1" and first["since_step"] == 100
     assert first["ratio"] == pytest.approx(4.0) and "blocks.1 moved first" in spike.message
+
+
+def test_a_noiseless_curve_is_not_read_as_oscillating():
+    y = 3.0 - np.arange(200) * 1e-3  # a synthetic log with no noise at all
+    y[150] = 9.0
+    (spike,) = [e for e in feed(LossSpikeDetector(), y) if e.kind == "loss_spike"]
+    assert spike.type == "data_toxicity"

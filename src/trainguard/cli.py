@@ -100,6 +100,35 @@ def analyze(
         raise typer.Exit(1)
 
 
+@app.command()
+def watch(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory of a running job.")],
+    refresh: Annotated[float, typer.Option(help="Seconds between reads of its files.")] = 1.0,
+    duration: Annotated[
+        float | None, typer.Option(help="Stop after this many seconds (default: until Ctrl-C).")
+    ] = None,
+) -> None:
+    """A live terminal dashboard of a running job: step, loss and grad-norm sparklines, health,
+    the latest incidents. Stops by itself when the run halts."""
+    import time
+
+    from rich.live import Live
+
+    from trainguard.analysis.watch import RunWatcher
+
+    if not run_dir.is_dir():
+        raise TrainguardError(f"{run_dir} is not a directory: give the run_dir of a Guard")
+    watcher = RunWatcher(run_dir)
+    start = time.monotonic()
+    with Live(watcher.render(), console=Console(), refresh_per_second=4) as live:
+        while True:
+            watcher.poll()
+            live.update(watcher.render())
+            if watcher.halted or (duration is not None and time.monotonic() - start >= duration):
+                break
+            time.sleep(refresh)
+
+
 @app.command("lint")
 def lint_command(
     target: Annotated[

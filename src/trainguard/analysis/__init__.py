@@ -2,5 +2,6 @@
 
 from trainguard.analysis.logs import LogData, read_log
 from trainguard.analysis.report import Analysis, analyze, spike_score
+from trainguard.analysis.watch import RunWatcher
 
-__all__ = ["Analysis", "LogData", "analyze", "read_log", "spike_score"]
+__all__ = ["Analysis", "LogData", "RunWatcher", "analyze", "read_log", "spike_score"]

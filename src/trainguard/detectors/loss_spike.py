@@ -187,8 +187,10 @@ class LossSpikeDetector(Detector):
                 0.6,
                 f"the loss was rising steadily before it (trend z={trend:.1f})",
             )
-        if len(recent) >= 32:
-            period, acf = dominant_period(detrended(recent[-96:]), 4)
+        residuals = detrended(recent[-96:]) if len(recent) >= 32 else None
+        # swings far below the level are rounding, not an oscillation
+        if residuals is not None and residuals.std() > 1e-6 * abs(mean(recent)):
+            period, acf = dominant_period(residuals, 4)
             if period and acf >= PERIOD_ACF:
                 return (
                     "optimizer",
