@@ -159,7 +159,7 @@ class CheckpointStore:
         self.directory = Path(directory)
         self.keep = keep
         self.asynchronous = asynchronous
-        self._pending: concurrent.futures.Future[Any] | None = None
+        self._pending: threading.Event | None = None  # set once the write is finished
         self._lock = threading.Lock()
         self.errors: list[str] = []
         self._stager = BufferStager()
@@ -188,6 +188,8 @@ class CheckpointStore:
                 future = concurrent.futures.Future()
                 future.set_result(None)
 
+        finished = threading.Event()
+
         def finish(done: concurrent.futures.Future[Any]) -> None:
             try:
                 done.result()
@@ -195,9 +197,11 @@ class CheckpointStore:
             except Exception as exc:  # reported, never raised into training
                 with self._lock:
                     self.errors.append(f"checkpoint at step {step} failed: {exc}")
+            finally:
+                finished.set()
 
+        self._pending = finished
         future.add_done_callback(finish)
-        self._pending = future
         if not self.asynchronous:
             self.wait()
 
@@ -226,17 +230,15 @@ class CheckpointStore:
                 shutil.rmtree(path, ignore_errors=True)
 
     def wait(self) -> None:
-        """Block until the checkpoint being written is complete (or failed)."""
+        """Block until the checkpoint being written is renamed into place (or has failed): the
+        future completes before its done-callback, which does the renaming, has run."""
         if self._pending is not None:
-            concurrent.futures.wait([self._pending])
+            self._pending.wait()
             self._pending = None
-        # the done-callback runs on the writer's thread; give it its turn
-        with self._lock:
-            pass
 
     @property
     def writing(self) -> bool:
-        return self._pending is not None and not self._pending.done()
+        return self._pending is not None and not self._pending.is_set()
 
     # -- reading ----------------------------------------------------------------------------------
     def complete(self) -> list[Path]:
