@@ -300,7 +300,7 @@ class Guard:
         step = self.global_step  # the next step: the snapshot is the state at its start
         if not rec.enabled or self.model is None or step % rec.snapshot_every:
             return
-        if step - self._last_incident <= rec.snapshot_every:
+        if not self._healthy_window(step):
             return
         assert self.optimizer is not None and self.actions is not None
         guard_state = {
@@ -311,6 +311,10 @@ class Guard:
         self.ring.take(
             step, self.model, self.optimizer, self.scheduler, self.scaler, guard_state, position
         )
+
+    def _healthy_window(self, step: int) -> bool:
+        """No warning or worse, and no skip or rollback, in the `snapshot_every` steps before."""
+        return step - self._last_incident > self.config.recovery.snapshot_every
 
     def _roll_back(self, decision: Decision) -> None:
         """Restore the newest known-good snapshot at or before the decision's target."""
@@ -512,7 +516,7 @@ class Guard:
         if self.checkpoints is None:
             raise TrainguardError("checkpoints need a run_dir: build the Guard with run_dir=...")
         step = self.global_step
-        known_good = step - self._last_incident > self.config.recovery.snapshot_every
+        known_good = self._healthy_window(step)
         if known_good:
             self._last_good_checkpoint = step
         tensors, plain = training_state(self.model, self.optimizer, self.scheduler, self.scaler)

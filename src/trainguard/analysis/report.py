@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,8 +72,7 @@ def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
         "steps": len(data.steps),
         "first_step": int(data.steps[0]),
         "last_step": int(data.steps[-1]),
-        "incidents": sum(SEVERITY_RANK[e.severity] >= 1 for e in events),
-        "by_kind": _count(e.kind for e in events),
+        "by_kind": dict(Counter(e.kind for e in events)),
         "spike_score": {
             "loss": spike_score(data.loss),
             "loss_last_10k": spike_score(data.loss[-RECENT_STEPS:]),
@@ -84,7 +84,9 @@ def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
         finite = grad[np.isfinite(grad)]
         summary["spike_score"]["grad_norm"] = spike_score(finite)
         summary["spike_score"]["grad_norm_last_10k"] = spike_score(finite[-RECENT_STEPS:])
-    return Analysis(events, summary)
+    result = Analysis(events, summary)
+    summary["incidents"] = len(result.incidents)
+    return result
 
 
 def _value(column: np.ndarray | None, i: int) -> float | None:
@@ -92,10 +94,3 @@ def _value(column: np.ndarray | None, i: int) -> float | None:
         return None
     v = float(column[i])
     return v if math.isfinite(v) else None
-
-
-def _count(kinds: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for k in kinds:
-        out[k] = out.get(k, 0) + 1
-    return out
