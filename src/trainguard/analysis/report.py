@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +10,7 @@ import numpy as np
 
 from trainguard.analysis.logs import LogData
 from trainguard.config import GuardConfig
-from trainguard.detectors import DetectorSuite, MetricPoint
+from trainguard.detectors import DetectorSuite
 from trainguard.events import SEVERITY_RANK, Event
 
 SPIKE_WINDOW = 128
@@ -27,10 +26,17 @@ def spike_score(
     v = np.asarray(values, dtype=np.float64)
     if len(v) <= window:
         return 0.0
-    prior = np.lib.stride_tricks.sliding_window_view(v[:-1], window)
-    mean, std = prior.mean(axis=1), prior.std(axis=1)
-    later = v[window:]
-    return float(np.mean(later > mean + sigmas * std))
+    hits = 0
+    for s in range(window, len(v), 1 << 16):  # running sums per chunk, centred to stay exact
+        part = v[s - window : s + (1 << 16)]
+        centred = part - part.mean()
+        sums = np.concatenate(([0.0], np.cumsum(centred)))
+        squares = np.concatenate(([0.0], np.cumsum(centred * centred)))
+        mean = (sums[window:-1] - sums[: -window - 1]) / window
+        var = (squares[window:-1] - squares[: -window - 1]) / window - mean * mean
+        std = np.sqrt(np.maximum(var, 0.0))
+        hits += int(np.count_nonzero(centred[window:] > mean + sigmas * std))
+    return hits / (len(v) - window)
 
 
 @dataclass
@@ -53,21 +59,11 @@ class Analysis:
 
 
 def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
-    """The same detectors as a live run, fed one logged step at a time."""
+    """The same detectors as a live run over the logged steps; quiet stretches are taken in
+    bulk (`DetectorSuite.run`), with the same events as step by step."""
     suite = DetectorSuite(config or GuardConfig())
-    events: list[Event] = []
+    events = suite.run(data.series())
     grad = data.extra.get("grad_norm")
-    lr = data.extra.get("lr")
-    scale = data.extra.get("loss_scale")
-    for i, step in enumerate(data.steps.tolist()):
-        point = MetricPoint(
-            step=int(step),
-            loss=float(data.loss[i]),
-            grad_norm=_value(grad, i),
-            lr=_value(lr, i),
-            loss_scale=_value(scale, i),
-        )
-        events += suite.update(point)
     summary: dict[str, Any] = {
         "steps": len(data.steps),
         "first_step": int(data.steps[0]),
@@ -87,10 +83,3 @@ def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
     result = Analysis(events, summary)
     summary["incidents"] = len(result.incidents)
     return result
-
-
-def _value(column: np.ndarray | None, i: int) -> float | None:
-    if column is None:
-        return None
-    v = float(column[i])
-    return v if math.isfinite(v) else None

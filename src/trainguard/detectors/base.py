@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from trainguard.events import Event, Severity, SpikeType
+
+if TYPE_CHECKING:
+    from trainguard.detectors.series import MetricSeries
 
 
 @dataclass
@@ -48,6 +51,12 @@ class Detector:
 
     def update(self, point: MetricPoint) -> list[Event]:
         raise NotImplementedError
+
+    def advance(self, series: MetricSeries, start: int) -> int:
+        """Take the steps of `series` from `start` in bulk while they raise nothing, leaving the
+        state exactly as `update` would; returns where `update` must take over. The default
+        takes none."""
+        return start
 
     def state_dict(self) -> dict[str, Any]:
         return {key: _export(getattr(self, key)) for key in self._state}

@@ -7,8 +7,17 @@ import math
 from collections import deque
 from typing import Any
 
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
 from trainguard.config import GradExplosionConfig, GradSpikeConfig, VanishingConfig
 from trainguard.detectors.base import Detector, MetricPoint, SpikeRun, StateParts, fmt
+from trainguard.detectors.series import (
+    MetricSeries,
+    first_true,
+    stop_at,
+    trailing_means,
+)
 from trainguard.detectors.stats import mean, median
 from trainguard.events import Event, Severity
 
@@ -109,6 +118,28 @@ class GradSpikeDetector(Detector):
             )
         return [self.event(point, "warning", message, metrics)]
 
+    def advance(self, series: MetricSeries, start: int) -> int:
+        if series.has_groups:
+            return start
+        cfg = self.config
+        idx, g = series.finite_grads(start)
+        if series.grad_norm is None or len(g) == 0:
+            return series.chunk_end(start)
+        held = len(self.window)
+        v = np.concatenate((np.asarray(self.window, dtype=np.float64), g))
+        base = trailing_means(v, held, cfg.window)
+        armed = np.minimum(np.arange(held, len(v)), cfg.window) >= cfg.warmup
+        with np.errstate(divide="ignore", invalid="ignore"):
+            over = armed & (base != 0) & (g / base > cfg.ratio_threshold)
+        if cfg.abs_limit is not None:
+            over |= g > cfg.abs_limit
+        first = first_true(over)
+        f = len(g) if first is None else first
+        if f > 0:
+            self.window.extend(g[:f][-cfg.window :].tolist())
+            self.run.end()
+        return stop_at(idx, first, series, start)
+
 
 class GradExplosionDetector(Detector):
     """A gradient norm that rose on each of `growth_steps` consecutive steps by `growth_factor` in
@@ -160,6 +191,37 @@ class GradExplosionDetector(Detector):
             message += f"; {first['group']} moved first, from step {first['since_step']}"
         return [self.event(point, severity, message, metrics)]
 
+    def advance(self, series: MetricSeries, start: int) -> int:
+        if series.has_groups:
+            return start
+        cfg = self.config
+        idx, g = series.finite_grads(start)
+        if series.grad_norm is None or len(g) == 0:
+            return series.chunk_end(start)
+        n = cfg.growth_steps + 1
+        held = len(self.history)
+        v = np.concatenate((np.asarray(self.history, dtype=np.float64), g))
+        grown = np.zeros(len(g), dtype=bool)
+        if len(v) >= n:
+            rows = sliding_window_view(v, n)  # row r ends at v[r + n - 1]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ok = (
+                    np.all(np.diff(rows, axis=1) > 0, axis=1)
+                    & (rows[:, 0] > 0)
+                    & (rows[:, -1] / rows[:, 0] >= cfg.growth_factor)
+                )
+            ends = np.arange(n - 1, len(v)) - held  # the new value each row ends at
+            keep = ends >= 0
+            grown[ends[keep]] = ok[keep]
+        cond = grown if cfg.abs_limit is None else grown | (g > cfg.abs_limit)
+        active_before = np.concatenate(([self.active], cond[:-1]))
+        first = first_true(cond & ~active_before)
+        f = len(g) if first is None else first
+        if f > 0:
+            self.history.extend(g[:f][-n:].tolist())
+            self.active = bool(cond[f - 1])
+        return stop_at(idx, first, series, start)
+
 
 class VanishingGradientDetector(Detector):
     """A layer group whose gradient norm stayed below `ratio` x its early level (the median of its
@@ -207,3 +269,6 @@ class VanishingGradientDetector(Detector):
             f"vanishing gradients in {len(newly)} layer group(s) for {cfg.patience}+ steps: {shown}"
         )
         return [self.event(point, "warning", message, {"groups": newly, "figures": details})]
+
+    def advance(self, series: MetricSeries, start: int) -> int:
+        return start if series.has_groups else len(series)

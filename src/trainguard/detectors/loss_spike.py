@@ -8,8 +8,20 @@ from collections import deque
 from statistics import NormalDist
 from typing import Any
 
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
 from trainguard.config import LossSpikeConfig
 from trainguard.detectors.base import Detector, MetricPoint, SpikeRun, fmt
+from trainguard.detectors.series import (
+    MetricSeries,
+    ema,
+    first_true,
+    noise_sigmas,
+    rolling_median,
+    stop_at,
+    trailing_means,
+)
 from trainguard.detectors.stats import (
     detrended,
     dominant_period,
@@ -27,6 +39,56 @@ GRAD_HIGH = 2.0  # grad norm over this x its baseline mean counts as elevated
 Z_BIN = 0.25  # width of the |z| histogram bins that measure how heavy the noise tails are
 Z_BINS = 100
 TAIL_MIN_SAMPLES = 2000
+NOISE_EVERY = 16  # steps between re-estimates of the recent noise (it moves slowly)
+
+
+class _TailCounts:
+    """`LossSpikeDetector._count_z` over many |z| bins at once: the histogram, count and tail
+    factor after any number of them, without replaying them one by one."""
+
+    def __init__(self, detector: LossSpikeDetector, bins: np.ndarray) -> None:
+        self.detector = detector
+        self.bins = bins
+        self.hist0 = np.asarray(detector.z_hist, dtype=np.float64)
+        self.halve_at = 20 * detector.config.noise_horizon
+        t0 = detector.z_total
+        self.totals: np.ndarray | None = None
+        if t0 != int(t0) or t0 >= self.halve_at:
+            return  # not a state `_count_z` reaches: leave it to `update`
+        q = np.arange(1, len(bins) + 1)
+        first_halving = self.halve_at - int(t0)
+        half = self.halve_at // 2
+        after = q >= first_halving
+        # the running count after each value, and the halvings up to it
+        self.totals = np.where(after, half + (q - first_halving) % half, int(t0) + q)
+        self.halvings = np.where(after, 1 + (q - first_halving) // half, 0)
+        recount = (self.totals >= TAIL_MIN_SAMPLES) & (self.totals % 100 == 0)
+        self.recounts = np.flatnonzero(recount) + 1  # counts after which the tail is recomputed
+        self.cache: dict[int, float] = {}
+
+    def total_after(self, c: int) -> float:
+        assert self.totals is not None
+        return float(self.totals[c - 1]) if c > 0 else self.detector.z_total
+
+    def hist_after(self, c: int) -> np.ndarray:
+        if c == 0:
+            return self.hist0.copy()
+        h = self.halvings[:c]
+        prior = np.concatenate(([0], h[:-1]))
+        weights = np.exp2(prior - h[-1])  # each halving from a value's own count on halves it
+        counted = np.bincount(self.bins[:c], weights=weights, minlength=Z_BINS)
+        out: np.ndarray = counted + self.hist0 * 2.0 ** -float(h[-1])
+        return out
+
+    def tail_after(self, c: int) -> float:
+        """The tail factor in force once `c` values are counted."""
+        k = int(np.searchsorted(self.recounts, c, side="right"))
+        if k == 0:
+            return self.detector.tail
+        r = int(self.recounts[k - 1])
+        if r not in self.cache:
+            self.cache[r] = self.detector._tail_of(self.hist_after(r), self.total_after(r))
+        return self.cache[r]
 
 
 class LossSpikeDetector(Detector):
@@ -52,6 +114,8 @@ class LossSpikeDetector(Detector):
         "z_hist",
         "z_total",
         "tail",
+        "short",
+        "noise_age",
     )
 
     def __init__(self, config: LossSpikeConfig | None = None) -> None:
@@ -65,6 +129,8 @@ class LossSpikeDetector(Detector):
         self.z_hist: list[float] = [0.0] * Z_BINS
         self.z_total = 0.0
         self.tail = 1.0
+        self.short = 0.0
+        self.noise_age = 0
         self._gauss_q = NormalDist().inv_cdf(0.5 + self.config.tail_quantile / 2)
 
     def update(self, point: MetricPoint) -> list[Event]:
@@ -83,7 +149,10 @@ class LossSpikeDetector(Detector):
         recent = list(self.window)
         level = median(recent[-cfg.level_window :])
         base_mean = mean(recent)
-        short = noise_sigma(recent)
+        if self.noise_age % NOISE_EVERY == 0:
+            self.short = noise_sigma(recent)
+        self.noise_age += 1
+        short = self.short
         if self.noise_var is None:
             self.noise_var = short * short
         sigma = max(short, math.sqrt(self.noise_var))
@@ -102,6 +171,7 @@ class LossSpikeDetector(Detector):
             if new_level is not None:
                 self.window.clear()
                 self.window.extend(new_level)
+                self.noise_age = 0
                 self.last = loss
                 self.run.end()
             return events
@@ -144,6 +214,72 @@ class LossSpikeDetector(Detector):
             self.event(point, severity, message, metrics, type=spike_type, confidence=confidence)
         )
         return events
+
+    def advance(self, series: MetricSeries, start: int) -> int:
+        cfg = self.config
+        full = len(self.window) == self.window.maxlen
+        if self.watch is not None or self.run.active or not full or self.noise_var is None:
+            return start
+        if self.last is None:
+            return start
+        idx, losses = series.finite_losses(start)
+        m, w = len(losses), cfg.window
+        if m == 0:
+            return series.chunk_end(start)
+        v = np.concatenate((np.asarray(self.window, dtype=np.float64), losses))
+        level = rolling_median(v[w - cfg.level_window : -1], cfg.level_window)
+        base_mean = trailing_means(v, w, w)
+        ages = self.noise_age + np.arange(m)
+        refresh = np.flatnonzero(ages % NOISE_EVERY == 0)
+        short = np.full(m, self.short)
+        if len(refresh):
+            rows = sliding_window_view(v[:-1], w)[refresh]
+            fresh = noise_sigmas(rows)
+            which = np.searchsorted(refresh, np.arange(m), side="right") - 1
+            short = np.where(which >= 0, fresh[np.maximum(which, 0)], self.short)
+        prev = np.concatenate(([self.last], losses[:-1]))
+        diffs = losses - prev
+        noise_var = ema(0.5 * diffs * diffs, self.noise_var, 1.0 / cfg.noise_horizon)
+        sigma = np.maximum(short, np.sqrt(noise_var[:-1]))
+        jump = losses - level
+        with np.errstate(divide="ignore", invalid="ignore"):
+            z = np.where(sigma > 0, jump / sigma, np.where(jump > 0, np.inf, 0.0))
+        counted = np.isfinite(z)
+        bins = np.minimum(np.abs(z[counted]) / Z_BIN, Z_BINS - 1).astype(np.int64)
+        before = np.concatenate(([0], np.cumsum(counted)))[:-1]  # counts before each step
+        tails = _TailCounts(self, bins)
+        if tails.totals is None:
+            return start
+        ratio_rule = (base_mean > 0) & (losses > cfg.ratio_threshold * base_mean)
+        high = (z > cfg.z_threshold) & (jump > cfg.min_rel_jump * np.abs(level))
+        first = first_true(ratio_rule)
+        for k in np.flatnonzero(high[: m if first is None else first]).tolist():
+            if z[k] > cfg.z_threshold * tails.tail_after(int(before[k])):
+                first = k
+                break
+        f = m if first is None else first
+        if f == 0:
+            return int(idx[0])
+        self.window = deque(v[f : f + w].tolist(), maxlen=w)
+        self.noise_var = float(noise_var[f])
+        self.last = float(losses[f - 1])
+        self.short = float(short[f - 1])
+        self.noise_age += f
+        counts = int(before[f - 1] + counted[f - 1])
+        self.tail = tails.tail_after(counts)
+        self.z_hist = tails.hist_after(counts).tolist()
+        self.z_total = tails.total_after(counts)
+        if series.grad_norm is not None:
+            g = series.grad_norm[idx[:f]]
+            self.grads.extend(g[np.isfinite(g)][-w:].tolist())
+        return stop_at(idx, first, series, start)
+
+    def _tail_of(self, hist: np.ndarray, total: float) -> float:
+        """`_count_z`'s tail factor from a histogram of |z| (vectorised)."""
+        beyond = (1.0 - self.config.tail_quantile) * total
+        above = np.flatnonzero(np.cumsum(hist[::-1]) > beyond)
+        edge = (Z_BINS - int(above[0])) * Z_BIN if len(above) else 0.0
+        return max(1.0, edge / self._gauss_q)
 
     def _accept(self, point: MetricPoint, z: float | None) -> None:
         """Add a non-spike step to the baseline and to the long-run noise and tail estimates."""

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from trainguard.config import OverflowConfig
 from trainguard.detectors.base import Detector, MetricPoint, fmt
+from trainguard.detectors.series import MetricSeries, first_true
 from trainguard.events import Event
 
 
@@ -44,6 +47,22 @@ class NonFiniteDetector(Detector):
             "params": point.nonfinite_params,
         }
         return [self.event(point, "critical", "; ".join(parts), metrics)]
+
+    def advance(self, series: MetricSeries, start: int) -> int:
+        end = series.chunk_end(start)
+        bad = ~np.isfinite(series.loss[start:end])
+        if series.overflow is not None:
+            bad |= series.overflow[start:end]
+        if series.grad_norm is not None:
+            g = series.grad_norm[start:end]
+            bad |= np.isinf(g)
+        if series.nonfinite_grads is not None:
+            bad |= series.nonfinite_grads[start:end] > 0
+        first = first_true(bad)
+        f = end - start if first is None else first
+        if f > 0:
+            self.overflow_run = 0
+        return start + f
 
     def _overflow(self, point: MetricPoint) -> list[Event]:
         self.overflow_run += 1

@@ -14,6 +14,7 @@ from trainguard.detectors.gradients import (
 from trainguard.detectors.health import HealthThresholdDetector
 from trainguard.detectors.loss_spike import LossSpikeDetector
 from trainguard.detectors.nonfinite import NonFiniteDetector
+from trainguard.detectors.series import MAX_SPAN, MIN_SPAN, MetricSeries
 from trainguard.detectors.trends import DivergenceDetector, OscillationDetector, StallDetector
 from trainguard.events import Event
 
@@ -42,6 +43,25 @@ class DetectorSuite:
         for detector in self.detectors:
             events.extend(detector.update(point))
         return events
+
+    def run(self, series: MetricSeries) -> list[Event]:
+        """Every event the detectors raise over a whole series, as `update` step by step would
+        raise them and in the same order, with the quiet stretches taken in bulk."""
+        found: list[tuple[int, int, Event]] = []
+        n = len(series)
+        for order, detector in enumerate(self.detectors):
+            i, series.span = 0, MIN_SPAN
+            while i < n:
+                start, i = i, detector.advance(series, i)
+                quiet = i >= series.chunk_end(start)
+                series.span = (
+                    min(2 * series.span, MAX_SPAN) if quiet else max(2 * (i - start), MIN_SPAN)
+                )
+                if i < n:
+                    found.extend((i, order, e) for e in detector.update(series.point(i)))
+                    i += 1
+        found.sort(key=lambda item: (item[0], item[1]))
+        return [e for _, _, e in found]
 
     def state_dict(self) -> dict[str, Any]:
         return {d.name: d.state_dict() for d in self.detectors}

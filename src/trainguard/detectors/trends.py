@@ -5,11 +5,14 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
+from typing import Any
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from trainguard.config import DivergenceConfig, OscillationConfig, StallConfig
 from trainguard.detectors.base import Blocks, Detector, MetricPoint, fmt
+from trainguard.detectors.series import MetricSeries, first_true, stop_at
 from trainguard.detectors.stats import detrended, dominant_period, mann_kendall_z, median
 from trainguard.events import Event
 
@@ -47,6 +50,67 @@ class StallDetector(Detector):
         )
         metrics = {"improvement": improvement, "standard_error": se, "level": self.means[-1]}
         return [self.event(point, "info", message, metrics)]
+
+    def advance(self, series: MetricSeries, start: int) -> int:
+        idx, losses = series.finite_losses(start)
+        size, n = self.blocks.size, self.config.blocks
+        done = _BlockStream(self.blocks.values, losses, size)
+        if done.count == 0:
+            self.blocks.values.extend(losses.tolist())
+            return series.chunk_end(start)
+        means = np.concatenate((np.asarray(self.means, dtype=np.float64), done.rows.mean(axis=1)))
+        held = len(self.means)
+        improvement = np.full(done.count, np.nan)
+        se = np.full(done.count, np.nan)
+        if len(means) >= n:
+            rows = sliding_window_view(means, n)[max(held - n + 1, 0) :]
+            imp, err = relative_improvements(rows)
+            improvement[done.count - len(rows) :] = imp
+            se[done.count - len(rows) :] = err
+        tol = self.config.rel_tol
+        fire = improvement + 2 * se < tol
+        progress = improvement - 2 * se > tol
+        reset = first_true(progress) if self.stalled else 0
+        from_block = done.count if reset is None else reset
+        hit = first_true(fire[from_block:])
+        f = done.count if hit is None else from_block + hit
+        self.stalled = self.stalled and (reset is None or reset >= f)
+        self.means = deque(means[: held + f][-n:].tolist(), maxlen=n)
+        self.blocks.values = done.partial_before(f)
+        return stop_at(idx, None if hit is None else done.ends[f], series, start)
+
+
+class _BlockStream:
+    """The blocks a stream completes when `new` values follow the `held` ones of a partial
+    block: their values (`rows`), where each ends in `new` (`ends`), and what is left over."""
+
+    def __init__(self, held: list[float], new: np.ndarray, size: int) -> None:
+        self.values = np.concatenate((np.asarray(held, dtype=np.float64), new))
+        self.size = size
+        self.count = len(self.values) // size
+        self.rows = self.values[: self.count * size].reshape(self.count, size)
+        self.ends = np.arange(1, self.count + 1) * size - 1 - len(held)
+
+    def partial_before(self, block: int) -> list[float]:
+        """The partial block as it stands just before block `block` completes (or after the
+        last complete block when `block` is `count`)."""
+        if block >= self.count:
+            return [float(x) for x in self.values[self.count * self.size :]]
+        return [float(x) for x in self.values[block * self.size : (block + 1) * self.size - 1]]
+
+
+def relative_improvements(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`relative_improvement` of each row, vectorised."""
+    n = rows.shape[1]
+    t = np.arange(n, dtype=np.float64) - (n - 1) / 2
+    tt = float(np.dot(t, t))
+    centred = rows - rows.mean(axis=1, keepdims=True)
+    slope = centred @ t / tt
+    residuals = centred - slope[:, None] * t
+    se_slope = np.sqrt(np.sum(residuals * residuals, axis=1) / (n - 2) / tt)
+    start = rows.mean(axis=1) - slope * (n - 1) / 2
+    scale = np.where(start != 0, np.abs(start), 1.0)
+    return -slope * (n - 1) / scale, se_slope * (n - 1) / scale
 
 
 def relative_improvement(means: list[float]) -> tuple[float, float]:
@@ -111,6 +175,67 @@ class DivergenceDetector(Detector):
         }
         return [self.event(point, "critical", message, metrics)]
 
+    def advance(self, series: MetricSeries, start: int) -> int:
+        cfg = self.config
+        idx, losses = series.finite_losses(start)
+        done = _BlockStream(self.blocks.values, losses, self.blocks.size)
+        if done.count == 0:
+            self.blocks.values.extend(losses.tolist())
+            return series.chunk_end(start)
+        n, held = cfg.blocks, len(self.medians)
+        medians = np.concatenate(
+            (np.asarray(self.medians, dtype=np.float64), np.median(done.rows, axis=1))
+        )
+        new_lrs = (
+            series.lr[idx[done.ends]] if series.lr is not None else np.full(done.count, np.nan)
+        )
+        lr_ok = np.isfinite(new_lrs)
+        lrs = np.concatenate((np.asarray(self.block_lrs, dtype=np.float64), new_lrs[lr_ok]))
+        lr_count = len(self.block_lrs) + np.cumsum(lr_ok)  # deque length after each block
+        jumps = np.zeros(len(lrs), dtype=bool)
+        jumps[1:] = lrs[1:] > 1.5 * lrs[:-1]
+        prefix = np.concatenate(([0], np.cumsum(jumps)))
+        lo = np.maximum(lr_count - (self.block_lrs.maxlen or 1) + 1, 1)
+        lr_jump = prefix[lr_count] - prefix[np.minimum(lo, lr_count)] > 0
+        checked = held + np.arange(done.count) + 1 >= n
+        cond = np.zeros(done.count, dtype=bool)
+        if checked.any():
+            rows = sliding_window_view(medians, n)[max(held - n + 1, 0) :]
+            z = mann_kendall_many(rows)
+            low = rows.min(axis=1)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                rise = np.where(low != 0, (rows[:, -1] - low) / np.abs(low), 0.0)
+            early_low = np.argmin(rows, axis=1) < n // 2
+            rising = (z > cfg.z_threshold) & (rise >= cfg.min_rel_rise) & early_low
+            cond[done.count - len(rows) :] = rising
+        cond &= ~lr_jump
+        active = np.empty(done.count, dtype=bool)  # the flag before each block
+        active[0] = self.active
+        for_checked = np.where(checked, cond, False)
+        active[1:] = np.where(checked[:-1], for_checked[:-1], self.active)
+        first = first_true(checked & cond & ~active)
+        f = done.count if first is None else first
+        if first is None:
+            self.active = bool(cond[-1]) if checked[-1] else self.active
+        else:
+            self.active = bool(active[f])
+        self.medians = deque(medians[: held + f][-n:].tolist(), maxlen=n)
+        kept = int(lr_count[f - 1]) if f > 0 else len(self.block_lrs)
+        self.block_lrs = deque(lrs[:kept].tolist(), maxlen=self.block_lrs.maxlen)
+        self.blocks.values = done.partial_before(f)
+        return stop_at(idx, None if first is None else done.ends[f], series, start)
+
+
+def mann_kendall_many(rows: np.ndarray) -> np.ndarray:
+    """`mann_kendall_z` of each row, vectorised."""
+    n = rows.shape[1]
+    s = np.zeros(len(rows))
+    for i in range(n - 1):
+        s += np.sign(rows[:, i + 1 :] - rows[:, i : i + 1]).sum(axis=1)
+    sd = math.sqrt(n * (n - 1) * (2 * n + 5) / 18.0)
+    out: np.ndarray = np.where(s > 0, (s - 1) / sd, np.where(s < 0, (s + 1) / sd, 0.0))
+    return out
+
 
 def _lr_increased(lrs: list[float], factor: float = 1.5) -> bool:
     """Whether the LR jumped by `factor` from one block to the next (a warm restart); a gradual
@@ -143,27 +268,85 @@ class OscillationDetector(Detector):
         if len(self.window) < cfg.window or self.since_check < cfg.check_every or self.cooldown:
             return []
         self.since_check = 0
-        values = np.asarray(self.window, dtype=np.float64)
+        metrics = self._swing(np.asarray(self.window, dtype=np.float64))
+        if metrics is None:
+            return []
+        self.cooldown = cfg.window
+        message = (
+            f"loss oscillating with period {metrics['period']} steps and growing: swings "
+            f"{metrics['growth']:.1f}x wider than {cfg.window // 2} steps earlier "
+            f"(amplitude {fmt(metrics['amplitude'])})"
+        )
+        return [self.event(point, "warning", message, metrics)]
+
+    def _swing(self, values: np.ndarray) -> dict[str, Any] | None:
+        """The figures of a growing periodic swing in a window of losses, or None."""
+        cfg = self.config
         residuals = detrended(values)
         period, acf = dominant_period(residuals, cfg.min_period)
         if not period or acf < cfg.min_acf:
-            return []
+            return None
         half = len(residuals) // 2
         early = float(np.sqrt(np.mean(residuals[:half] ** 2)))
         late = float(np.sqrt(np.mean(residuals[half:] ** 2)))
         level = abs(float(np.median(values)))
         amplitude = late * math.sqrt(2.0)
         if early <= 0 or late / early < cfg.growth or amplitude < cfg.min_rel_amplitude * level:
-            return []
-        self.cooldown = cfg.window
-        message = (
-            f"loss oscillating with period {period} steps and growing: swings {late / early:.1f}x "
-            f"wider than {half} steps earlier (amplitude {fmt(amplitude)})"
-        )
-        metrics = {
+            return None
+        return {
             "period": period,
             "autocorrelation": acf,
             "growth": late / early,
             "amplitude": amplitude,
         }
-        return [self.event(point, "warning", message, metrics)]
+
+    def advance(self, series: MetricSeries, start: int) -> int:
+        cfg = self.config
+        idx, losses = series.finite_losses(start)
+        m, w = len(losses), cfg.window
+        if m == 0:
+            return series.chunk_end(start)
+        held = len(self.window)
+        v = np.concatenate((np.asarray(self.window, dtype=np.float64), losses))
+        k = np.arange(m)
+        cooldown = np.maximum(self.cooldown - (k + 1), 0)  # after each step's countdown
+        eligible = (np.minimum(held + k + 1, w) >= w) & (cooldown == 0)
+        since = self.since_check + k + 1  # before any check in this chunk
+        candidates = np.flatnonzero(eligible & (since >= cfg.check_every))
+        checks = np.empty(0, dtype=np.int64)
+        if len(candidates):
+            c0 = int(candidates[0])  # later checks follow every `check_every` steps
+            checks = np.arange(c0, m, cfg.check_every)
+        first = None
+        if len(checks):
+            windows = sliding_window_view(v, w)[checks + held + 1 - w]
+            for j in np.flatnonzero(_may_swing(windows, cfg)):
+                if self._swing(windows[j]) is not None:
+                    first = int(checks[j])
+                    break
+        f = m if first is None else first
+        if f > 0:
+            self.window = deque(v[: held + f][-w:].tolist(), maxlen=w)
+            done = checks[checks < f]
+            self.since_check = int(f - 1 - done[-1]) if len(done) else self.since_check + f
+            self.cooldown = int(max(self.cooldown - f, 0))
+        return stop_at(idx, first, series, start)
+
+
+def _may_swing(windows: np.ndarray, cfg: OscillationConfig) -> np.ndarray:
+    """Which windows pass the amplitude and growth tests of `_swing` (with a margin for rounding),
+    vectorised: only those need its exact autocorrelation test."""
+    n = windows.shape[1]
+    t = np.linspace(-1.0, 1.0, n)
+    basis = np.vstack((np.ones(n), t, t * t)).T
+    residuals = windows - (windows @ np.linalg.pinv(basis).T) @ basis.T
+    half = n // 2
+    early = np.sqrt(np.mean(residuals[:, :half] ** 2, axis=1))
+    late = np.sqrt(np.mean(residuals[:, half:] ** 2, axis=1))
+    # |median| is at least this much, which is all a necessary test needs
+    level = np.maximum(np.maximum(windows.min(axis=1), -windows.max(axis=1)), 0.0)
+    margin = 0.99
+    with np.errstate(divide="ignore", invalid="ignore"):
+        grows = (early > 0) & (late / early >= margin * cfg.growth)
+    out: np.ndarray = grows & (late * math.sqrt(2.0) >= margin * cfg.min_rel_amplitude * level)
+    return out

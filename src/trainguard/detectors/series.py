@@ -1,0 +1,166 @@
+"""`MetricSeries`: a whole logged run as columns, and the window helpers of the detectors' bulk
+path (`Detector.advance`), which must match their step-by-step `update`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from trainguard.detectors.base import MetricPoint
+
+MIN_SPAN, MAX_SPAN = 1 << 10, 1 << 16  # steps one `advance` call looks ahead (see `span`)
+
+
+@dataclass
+class MetricSeries:
+    """Columns of a run: `loss` and `steps` always, the rest optional; NaN marks a missing value
+    in `grad_norm`, `lr` and `loss_scale`."""
+
+    steps: np.ndarray
+    loss: np.ndarray
+    grad_norm: np.ndarray | None = None
+    lr: np.ndarray | None = None
+    loss_scale: np.ndarray | None = None
+    overflow: np.ndarray | None = None
+    nonfinite_grads: np.ndarray | None = None
+    group_grad_norms: list[dict[str, float] | None] | None = None
+    span: int = MIN_SPAN  # look-ahead of `advance`: grows over quiet stretches, shrinks at events
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def point(self, i: int) -> MetricPoint:
+        return MetricPoint(
+            step=int(self.steps[i]),
+            loss=float(self.loss[i]),
+            grad_norm=_present(self.grad_norm, i),
+            lr=_present(self.lr, i),
+            loss_scale=_present(self.loss_scale, i),
+            overflow=bool(self.overflow[i]) if self.overflow is not None else False,
+            nonfinite_grads=int(self.nonfinite_grads[i]) if self.nonfinite_grads is not None else 0,
+            group_grad_norms=self.group_grad_norms[i] if self.group_grad_norms else None,
+        )
+
+    @property
+    def has_groups(self) -> bool:
+        return bool(self.group_grad_norms) and any(self.group_grad_norms or ())
+
+    def finite_losses(self, start: int) -> tuple[np.ndarray, np.ndarray]:
+        """Indices (into the series) and values of the finite losses in the chunk at `start`."""
+        end = self.chunk_end(start)
+        idx = np.flatnonzero(np.isfinite(self.loss[start:end])) + start
+        return idx, self.loss[idx]
+
+    def finite_grads(self, start: int) -> tuple[np.ndarray, np.ndarray]:
+        """Indices and values of the steps in the chunk at `start` that a gradient detector reads:
+        a present, finite grad norm and no non-finite gradient count."""
+        end = self.chunk_end(start)
+        if self.grad_norm is None:
+            return np.arange(start, end), np.full(end - start, math.nan)
+        g = self.grad_norm[start:end]
+        ok = np.isfinite(g)
+        if self.nonfinite_grads is not None:
+            ok &= self.nonfinite_grads[start:end] == 0
+        idx = np.flatnonzero(ok) + start
+        return idx, self.grad_norm[idx]
+
+    def chunk_end(self, start: int) -> int:
+        return min(start + self.span, len(self))
+
+
+def _present(column: np.ndarray | None, i: int) -> float | None:
+    if column is None:
+        return None
+    v = float(column[i])
+    return None if math.isnan(v) else v
+
+
+def stop_at(idx: np.ndarray, first: int | None, series: MetricSeries, start: int) -> int:
+    """Where `advance` stops: the series index of the first step needing `update`, or the end of
+    the chunk when there is none."""
+    if first is None:
+        return series.chunk_end(start)
+    return int(idx[first])
+
+
+def first_true(mask: np.ndarray) -> int | None:
+    hits = np.flatnonzero(mask)
+    return int(hits[0]) if len(hits) else None
+
+
+def trailing_means(values: np.ndarray, held: int, window: int) -> np.ndarray:
+    """Mean of the (up to) `window` values before each new value, where `values` starts with the
+    `held` values already in a detector's window."""
+    sums = np.concatenate(([0.0], np.cumsum(values)))
+    hi = np.arange(held, len(values))
+    lo = np.maximum(hi - window, 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out: np.ndarray = (sums[hi] - sums[lo]) / (hi - lo)
+    return out
+
+
+def rolling_median(values: np.ndarray, width: int) -> np.ndarray:
+    """Median of each run of `width` consecutive values (exact: a selection, not an estimate)."""
+    if width == 5:  # the default level window: a min/max network, no sort
+        a, b, c, d, e = (values[i : len(values) - 4 + i] for i in range(5))
+        lo = np.maximum(np.minimum(a, b), np.minimum(c, d))
+        hi = np.minimum(np.maximum(a, b), np.maximum(c, d))
+        five: np.ndarray = np.maximum(np.minimum(lo, hi), np.minimum(np.maximum(lo, hi), e))
+        return five
+    windows = sliding_window_view(values, width)
+    out: np.ndarray = np.median(windows, axis=1)
+    return out
+
+
+def noise_sigmas(rows: np.ndarray) -> np.ndarray:
+    """`stats.noise_sigma` of each row, vectorised."""
+    diffs = np.diff(rows, axis=1)
+    n = diffs.shape[1]
+    if n < 2:
+        return np.zeros(len(rows))
+    centre = _median_rows(diffs)  # reorders the rows in place; what follows ignores order
+    dev = diffs - centre
+    mad = _median_rows(np.abs(dev))
+    limit = 6.0 * 1.4826 * mad
+    clipped = np.where(limit > 0, np.clip(dev, -limit, limit), dev)
+    out: np.ndarray = np.sqrt(np.sum(clipped * clipped, axis=1) / n / 2.0)
+    return out
+
+
+def _median_rows(rows: np.ndarray) -> np.ndarray:
+    """The median of each row, as a column; partitions `rows` in place."""
+    n = rows.shape[1]
+    mid = n // 2
+    if n % 2:
+        rows.partition(mid, axis=1)
+        return rows[:, mid : mid + 1].copy()
+    rows.partition((mid - 1, mid), axis=1)
+    out: np.ndarray = 0.5 * (rows[:, mid - 1 : mid] + rows[:, mid : mid + 1])
+    return out
+
+
+def ema(x: np.ndarray, start: float, alpha: float) -> np.ndarray:
+    """y[0] = start, y[k+1] = (1 - alpha) y[k] + alpha x[k], vectorised in blocks short enough
+    that the powers of (1 - alpha) stay well inside float range."""
+    beta = 1.0 - alpha
+    block = max(1, min(4096, int(math.log(1e6) / -math.log(beta)))) if beta > 0 else 1
+    out = np.empty(len(x) + 1)
+    out[0] = start
+    y = start
+    for s in range(0, len(x), block):
+        xs = x[s : s + block]
+        k = np.arange(1, len(xs) + 1)
+        powers = beta**k
+        acc = np.cumsum(xs / beta ** np.arange(1, len(xs) + 1))
+        seg = powers * y + alpha * powers * acc
+        out[s + 1 : s + 1 + len(xs)] = seg
+        y = float(seg[-1])
+    return out
+
+
+def as_float_list(values: Any) -> list[float]:
+    return [float(v) for v in values]
