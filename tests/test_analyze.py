@@ -102,3 +102,51 @@ def test_spike_score_counts_six_sigma_points():
     assert spike_score(values) < 1e-3
     values[[2000, 6000]] = 5.0
     assert spike_score(values) == pytest.approx(2 / (10_000 - 128), rel=0.3)
+
+
+def test_blocks_of_a_large_file_keep_line_numbers_and_match_numpys_reader(tmp_path, monkeypatch):
+    from trainguard.analysis import logs
+
+    log = tmp_path / "big.csv"
+    lines = ["step,loss,grad_norm,lr"]
+    lines += [f"{i},{3.0 - i * 1e-5:.6f},{1 + (i % 7) / 10},3e-4" for i in range(20_000)]
+    lines[5_001] = "5000,oops,1.0,3e-4"  # line 5002 of the file
+    lines[17_001] = "17000,,1.0,3e-4"  # line 17002
+    lines[9_001] = "9000,2.9,,3e-4"  # a missing grad norm is not a bad row
+    log.write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(logs, "BLOCK_BYTES", 4096)  # about 150 blocks, the bad rows in two
+    data = read_log(log)
+    assert len(data.steps) == 19_998 and data.steps[0] == 0 and data.steps[-1] == 19_999
+    assert data.warnings == [
+        "passed over 2 row(s) without a numeric step and finite loss: line 5002, 17002"
+    ]
+    assert np.isnan(data.extra["grad_norm"][list(data.steps).index(9000)])
+    monkeypatch.setattr(logs, "USE_PANDAS", False)
+    plain = read_log(log)
+    assert np.array_equal(plain.steps, data.steps) and np.array_equal(plain.loss, data.loss)
+    assert np.array_equal(plain.extra["lr"], data.extra["lr"])
+
+
+def test_tensorboard_event_files_and_run_directories(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    curve = np.random.default_rng(1)
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for step in range(3000):
+        loss = 3.0 / (1 + step / 300) + 0.01 * curve.standard_normal()
+        writer.add_scalar("train/loss", loss + (4.0 if step == 2000 else 0.0), step)
+        writer.add_scalar("train/grad_norm", 1.0, step)
+        writer.add_scalar("eval/accuracy", 0.5, step)
+    writer.close()
+    data = read_log(tmp_path / "tb")
+    assert len(data.steps) == 3000 and "grad_norm" in data.extra
+    assert "train/loss" in data.warnings[0]
+    result = analyze(data)
+    assert [e.step for e in result.incidents] == [2000]
+    out = run(str(tmp_path / "tb"), "--json")
+    assert out.returncode == 1 and json.loads(out.stdout)["events"][0]["step"] == 2000
+    other = run(str(tmp_path / "tb"), "--tag", "eval/accuracy", "--json")
+    assert other.returncode == 0, other.stderr
+    missing = run(str(tmp_path / "tb"), "--tag", "val/loss")
+    assert missing.returncode == 2 and "no TensorBoard scalar 'val/loss'" in missing.stderr
+    assert "Traceback" not in missing.stderr

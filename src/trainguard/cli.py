@@ -46,11 +46,17 @@ def config(
 
 @app.command()
 def analyze(
-    path: Annotated[Path, typer.Argument(help="A CSV/TSV log with a header, or JSONL.")],
+    path: Annotated[
+        Path,
+        typer.Argument(
+            help="A CSV/TSV log with a header, JSONL, TensorBoard event files, or a run directory."
+        ),
+    ],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     config: Annotated[Path | None, typer.Option(help="A YAML or TOML GuardConfig.")] = None,
     column: Annotated[str, typer.Option(help="The loss column.")] = "loss",
     step_column: Annotated[str, typer.Option(help="The step column.")] = "step",
+    tag: Annotated[str | None, typer.Option(help="The TensorBoard scalar of the loss.")] = None,
 ) -> None:
     """Judge an existing loss log with the guard's detectors: exit 0 when healthy, 1 when
     incidents at warning or above were found, 2 on bad input."""
@@ -62,7 +68,7 @@ def analyze(
     from trainguard.analysis import read_log
 
     cfg = GuardConfig.load(config) if config is not None else GuardConfig(console=False)
-    data = read_log(path, loss_column=column, step_column=step_column)
+    data = read_log(path, loss_column=column, step_column=step_column, tag=tag)
     result = run_analysis(data, cfg)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
