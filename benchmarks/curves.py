@@ -80,7 +80,8 @@ def main() -> None:
         "Each file is read and judged by `trainguard analyze` with the default config; markers "
         "in the thumbnails are incidents at warning or above, coloured by spike type (red data "
         "toxicity, orange gradient explosion, purple optimizer, brown architecture, pink "
-        "divergence, blue grad spike). The loss axis spans the curve after its first 5% of steps (and every incident); the early fall is clipped at the top.\n",
+        "divergence, blue grad spike). The loss axis spans the curve after its first 5% of "
+        "steps (and every incident); the early fall is clipped at the top.\n",
         "| curve | steps | seconds | loss spike score | incidents (step: kind, type) | thumbnail |",
         "|---|---:|---:|---:|---|---|",
     ]
