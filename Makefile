@@ -3,7 +3,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest demo bench clean
+CHROMIUM ?= /usr/bin/chromium
+
+.PHONY: test lint typecheck pytest demo bench chromium clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -13,7 +15,15 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
-test: $(STAMP)
+# The report tests drive Debian's chromium headless; install it where it is missing.
+chromium:
+	@test -x $(CHROMIUM) || command -v chromium >/dev/null || { \
+		echo "installing Debian's chromium for the report tests"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get install -y -q chromium >/dev/null 2>&1 || \
+		{ $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium >/dev/null; }; }
+
+test: $(STAMP) chromium
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
@@ -26,6 +36,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/recovery.py
 	$(BIN)/python benchmarks/diagnosis.py
+	$(BIN)/python benchmarks/analyze.py
+	$(BIN)/python benchmarks/curves.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

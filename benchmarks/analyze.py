@@ -7,6 +7,7 @@ Run: `.venv/bin/python benchmarks/analyze.py` (writes the "Analyze speed" sectio
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import subprocess
 import sys
@@ -48,6 +49,43 @@ def pandas_rules(path: Path, window: int = 100, z: float = 10.0, ratio: float = 
     return int(hits.sum())
 
 
+def big_file(gigabytes: float) -> str:
+    """Write a CSV of about `gigabytes` GB (1M-row blocks with rising steps) and run the command
+    on it; its wall time and peak memory against the file size."""
+    block = 1_000_000
+    rng = np.random.default_rng(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "big.csv"
+        i = 0
+        while i == 0 or path.stat().st_size < gigabytes * 2**30:
+            t = np.arange(i * block, (i + 1) * block)
+            frame = pd.DataFrame(
+                {
+                    "step": t,
+                    "loss": 2.0 + 8.0 / np.sqrt(1 + t / 100) + 0.03 * rng.standard_t(5, block),
+                    "grad_norm": 0.5 + 0.05 * np.abs(rng.standard_normal(block)),
+                    "lr": np.full(block, 3e-4),
+                }
+            )
+            frame.to_csv(path, mode="a", header=i == 0, index=False, float_format="%.6g")
+            i += 1
+        size = path.stat().st_size / 2**30
+        exe = Path(sys.executable).with_name("trainguard")
+        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        start = time.perf_counter()
+        out = subprocess.run(
+            [str(exe), "analyze", str(path), "--json"], capture_output=True, check=False
+        )
+        secs = time.perf_counter() - start
+        peak = max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, before) / 2**20
+        summary = json.loads(out.stdout)["summary"] if out.stdout else {}
+    return (
+        f"A {size:.1f} GB CSV ({i:,} million steps): `trainguard analyze --json` took "
+        f"{secs:.0f} s with a peak of {peak:.1f} GB of memory (exit {out.returncode}, "
+        f"{summary.get('steps', 0):,} steps read): the columns, not the text, are held."
+    )
+
+
 def best_of(runs: int, fn):  # type: ignore[no-untyped-def]
     times, out = [], None
     for _ in range(runs):
@@ -61,6 +99,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=1_000_000)
     parser.add_argument("--step-by-step", type=int, default=100_000, help="steps timed that way")
+    parser.add_argument(
+        "--big-gb", type=float, default=2.0, help="size of the large-file check (0 skips it)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "run.csv"
@@ -113,6 +154,8 @@ def main() -> None:
         "a spike. The bulk path raises exactly the events of the step-by-step one (tested in "
         f"tests/test_bulk.py). Peak memory of the benchmark process: {peak_mb:.0f} MB."
     )
+    if args.big_gb > 0:
+        lines.append("\n" + big_file(args.big_gb))
     body = "\n".join(lines)
     print(body)
     write_section("analyze", "Analyze speed", body, "python benchmarks/analyze.py")

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 
 from trainguard import __version__
 from trainguard.config import GuardConfig
@@ -104,6 +105,35 @@ def analyze(
         )
     if result.incidents:
         raise typer.Exit(1)
+
+
+@app.command()
+def report(
+    source: Annotated[
+        Path, typer.Argument(help="A run directory (metrics.jsonl, events.jsonl) or a loss log.")
+    ],
+    output: Annotated[Path, typer.Option("-o", "--output", help="The HTML file to write.")] = Path(
+        "report.html"
+    ),
+    config: Annotated[
+        Path | None, typer.Option(help="A GuardConfig to judge a bare log with.")
+    ] = None,
+    title: Annotated[str | None, typer.Option(help="The page title.")] = None,
+) -> None:
+    """Write one self-contained HTML report (plots, incident cards, lint, config) of a run or
+    log; it opens offline in any browser."""
+    from trainguard.analysis.run import load_run
+    from trainguard.sinks.html_report import write_report
+
+    cfg = GuardConfig.load(config) if config is not None else None
+    record = load_run(source, cfg)
+    if output.is_dir():
+        raise TrainguardError(f"{output} is a directory: give the HTML file to write with -o")
+    if not output.parent.exists():
+        raise TrainguardError(f"{output.parent} does not exist: create it or choose another -o")
+    path = write_report(record, output, title)
+    incidents = sum(1 for e in record.events if e.get("severity") in ("warning", "critical"))
+    err.print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MB, {incidents} warning+ events)")
 
 
 @app.command()
@@ -276,7 +306,7 @@ def main() -> None:
     try:
         app()
     except TrainguardError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise SystemExit(2) from None
     except KeyboardInterrupt:
         err.print("interrupted")
