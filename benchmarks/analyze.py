@@ -82,7 +82,9 @@ def big_file(gigabytes: float) -> str:
     return (
         f"A {size:.1f} GB CSV ({i:,} million steps): `trainguard analyze --json` took "
         f"{secs:.0f} s with a peak of {peak:.1f} GB of memory (exit {out.returncode}, "
-        f"{summary.get('steps', 0):,} steps read): the columns, not the text, are held."
+        f"{summary.get('steps', 0):,} steps read), about "
+        f"{peak * 2**30 / max(summary.get('steps', 1), 1):.0f} bytes per step at the peak: "
+        "memory follows the steps held as columns, not the size of the text."
     )
 
 

@@ -2,6 +2,16 @@
 
 from trainguard.analysis.analyzer import Analysis, analyze, spike_score
 from trainguard.analysis.logs import LogData, read_log
+from trainguard.analysis.run import RunRecord, load_run
 from trainguard.analysis.watch import RunWatcher
 
-__all__ = ["Analysis", "LogData", "RunWatcher", "analyze", "read_log", "spike_score"]
+__all__ = [
+    "Analysis",
+    "LogData",
+    "RunRecord",
+    "RunWatcher",
+    "analyze",
+    "load_run",
+    "read_log",
+    "spike_score",
+]

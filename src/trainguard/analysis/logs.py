@@ -68,12 +68,17 @@ class _Columns:
         if len(self.bad) < MAX_WARNED_ROWS:
             self.bad.append(line)
 
+    def _take(self, key: str) -> np.ndarray:
+        """One column joined, its blocks released at once (peak memory stays near one copy)."""
+        parts, self.parts[key] = self.parts[key], []
+        return np.concatenate(parts) if parts else np.empty(0)
+
     def finish(self, p: Path) -> LogData:
-        steps = _joined(self.parts["step"])
+        steps = self._take("step")
         if len(steps) == 0:
             raise TrainguardError(f"{p}: no row has a numeric step and a finite loss")
-        loss = _joined(self.parts["loss"])
-        extra = {k: _joined(self.parts[k]) for k in OPTIONAL if self.parts[k]}
+        loss = self._take("loss")
+        extra = {k: self._take(k) for k in OPTIONAL if self.parts[k]}
         notes = []
         if self.bad_count:
             shown = ", ".join(str(n) for n in self.bad)
@@ -83,6 +88,7 @@ class _Columns:
                 f"line {shown}" + (f" and {more} more" if more > 0 else "")
             )
         order = steps.astype(np.int64)
+        del steps
         if len(order) > 1 and not np.all(order[1:] > order[:-1]):
             notes.append("steps were unsorted or repeated: sorted, keeping the last row per step")
             # the last row of each step: unique over the reversed rows keeps first occurrences
@@ -92,10 +98,6 @@ class _Columns:
             extra = {k: v[keep] for k, v in extra.items()}
         extra = {k: v for k, v in extra.items() if np.isfinite(v).any()}
         return LogData(order, loss, extra, notes)
-
-
-def _joined(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts) if parts else np.empty(0)
 
 
 def read_log(
