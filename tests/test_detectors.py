@@ -385,3 +385,38 @@ def test_a_noiseless_curve_is_not_read_as_oscillating():
     y[150] = 9.0
     (spike,) = [e for e in feed(LossSpikeDetector(), y) if e.kind == "loss_spike"]
     assert spike.type == "data_toxicity"
+
+
+def test_rank_outliers_need_a_ratio_and_with_three_ranks_a_robust_z():
+    from trainguard.detectors.ranks import RankOutlierDetector
+
+    d = RankOutlierDetector()
+    point = tg.MetricPoint(step=5, loss=1.0, rank_losses=[1.0, 1.1, 0.9, 4.0])
+    (event,) = d.update(point)
+    assert event.kind == "rank_outlier" and event.rank == 3 and event.metrics["ranks"] == [3]
+    assert d.update(tg.MetricPoint(step=6, loss=1.0, rank_losses=[1.0, 1.1, 0.9, 2.5])) == []
+    two = d.update(tg.MetricPoint(step=7, loss=1.0, rank_losses=[1.0, 3.5]))
+    assert [e.rank for e in two] == [1] and two[0].severity == "warning"
+    nan = d.update(tg.MetricPoint(step=8, loss=1.0, rank_grad_norms=[1.0, float("nan")]))
+    assert nan[0].severity == "critical" and nan[0].metrics["metric"] == "grad_norm"
+    assert d.update(tg.MetricPoint(step=9, loss=1.0)) == []  # not a distributed run
+
+
+def test_a_straggler_is_named_after_slow_windows_in_a_row_once():
+    from trainguard.config import StragglerConfig
+    from trainguard.detectors.ranks import StragglerDetector
+
+    d = StragglerDetector(StragglerConfig(every=5, windows=2, factor=1.5))
+    found = []
+    for step in range(40):
+        slow = 0.05 if 10 <= step < 30 else 0.02  # rank 2 slows down for 4 windows
+        point = tg.MetricPoint(
+            step=step,
+            loss=1.0,
+            rank_step_times=[0.02, 0.021, slow],
+            rank_data_waits=[0.0, 0.0, slow - 0.02],
+        )
+        found += d.update(point)
+    assert [(e.step, e.rank) for e in found] == [(19, 2)]
+    assert found[0].metrics["data_wait_s"] == pytest.approx(0.03)
+    assert d.state_dict()["reported"] == [False, False, False]  # it cleared after step 30

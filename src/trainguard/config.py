@@ -134,6 +134,32 @@ class HealthConfig(_Section):
     overflow_danger: int = 1000
 
 
+class RanksConfig(_Section):
+    """Per-rank checks in a distributed run: a rank whose loss or local grad norm (before the
+    gradient reduction) is non-finite, or far above the other ranks'."""
+
+    enabled: bool = True
+    ratio_threshold: float = Field(
+        3.0, gt=1, description="A rank's value over this x the median of the other ranks."
+    )
+    z_threshold: float = Field(
+        6.0, gt=0, description="And, with 3 or more ranks, a robust z-score among them over this."
+    )
+
+
+class StragglerConfig(_Section):
+    """A rank slower than the median rank, window after window."""
+
+    enabled: bool = True
+    every: int = Field(20, ge=1, description="Steps per timing window.")
+    factor: float = Field(
+        1.5,
+        gt=1,
+        description="Mean step time over this x the median of the other ranks is slow.",
+    )
+    windows: int = Field(3, ge=1, description="Slow windows in a row before it is reported.")
+
+
 class RecoveryConfig(_Section):
     """Known-good snapshots and rollback: how far back, how much LR, how much data to skip."""
 
@@ -240,6 +266,8 @@ class GuardConfig(_Section):
     oscillation: OscillationConfig = Field(default_factory=OscillationConfig)
     overflow: OverflowConfig = Field(default_factory=OverflowConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    ranks: RanksConfig = Field(default_factory=RanksConfig)
+    straggler: StragglerConfig = Field(default_factory=StragglerConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     diagnosis: DiagnosisConfig = Field(default_factory=DiagnosisConfig)

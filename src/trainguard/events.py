@@ -25,6 +25,8 @@ EVENT_KINDS: tuple[str, ...] = (
     "divergence",
     "oscillation",
     "health",
+    "rank_outlier",
+    "straggler",
     "lint",
     "rollback",
     "lr_reduced",
@@ -64,6 +66,7 @@ class Event:
     confidence: float | None = None
     action: Action | None = None
     time: str = field(default_factory=_utc_now)
+    rank: int | None = None  # in a distributed run, the rank the event is about
 
     def to_dict(self) -> dict[str, Any]:
         """The event as one JSON-ready object, in the schema of `events.jsonl`."""
@@ -77,6 +80,7 @@ class Event:
             "message": self.message,
             "metrics": _json_number(self.metrics),
             "action": self.action,
+            "rank": self.rank,
         }
 
 

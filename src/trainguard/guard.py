@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from trainguard.actions import OptimizerActions
 from trainguard.actions.checkpoints import (
@@ -24,9 +25,16 @@ from trainguard.config import GuardConfig
 from trainguard.detectors import DetectorSuite, MetricPoint
 from trainguard.diagnosis import blame_samples, trace_nonfinite
 from trainguard.diagnosis.lint import Finding, lint
+from trainguard.distributed import (
+    LocalGradNorm,
+    RankContext,
+    StepExchange,
+    local_grad_norm_hook,
+)
 from trainguard.events import Decision, Event, TrainguardError, TrainingHalted, _json_number
 from trainguard.policy import StepPolicy
 from trainguard.signals import GradientStats, StepSignals
+from trainguard.signals.gradients import Measurement
 from trainguard.sinks import ConsoleSink, EventLog, MetricsLog, Sink
 
 MAX_BATCH_IDS = 64
@@ -78,8 +86,19 @@ class Guard:
         self.scaler = scaler
         self.ring = SnapshotRing(self.config.recovery.snapshots)
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        device = self.stats.device if self.stats is not None else torch.device("cpu")
+        self.ranks = RankContext.detect(device)
+        self.exchange = StepExchange(self.ranks) if self.ranks is not None else None
+        self._local_norm: LocalGradNorm | None = None
+        if self.ranks is not None and isinstance(model, DistributedDataParallel):
+            self._local_norm = LocalGradNorm(self.ranks.group)
+            model.register_comm_hook(self._local_norm, local_grad_norm_hook)
+        leader = self.ranks is None or self.ranks.is_leader
+        quarantine_name = (
+            "quarantine.jsonl" if self.ranks is None else f"quarantine-rank{self.ranks.rank}.jsonl"
+        )
         self.quarantine = Quarantine(
-            self.run_dir / "quarantine.jsonl" if self.run_dir is not None else None
+            self.run_dir / quarantine_name if self.run_dir is not None else None
         )
         self._batches: GuardedBatches | None = None
         self._resume_data: dict[str, Any] | None = None
@@ -90,20 +109,22 @@ class Guard:
         self._last_trace = -(10**9)
         rec = self.config.recovery
         self.checkpoints: CheckpointStore | None = None
-        if self.run_dir is not None and model is not None and optimizer is not None:
+        durable = self.ranks is None  # sharded DCP checkpoints across ranks: not yet
+        if durable and self.run_dir is not None and model is not None and optimizer is not None:
             self.checkpoints = CheckpointStore(
                 self.run_dir / "checkpoints", rec.keep_checkpoints, rec.async_checkpoints
             )
         self.sinks: list[Sink] = []
-        if self.run_dir is not None:
+        if self.run_dir is not None and leader:  # one writer in a distributed run: rank 0
             self.sinks += [
                 EventLog(self.run_dir / "events.jsonl"),
                 MetricsLog(self.run_dir / "metrics.jsonl"),
             ]
             (self.run_dir / "config.json").write_text(self.config.to_json() + "\n")
-        if self.config.console:
+        if self.config.console and leader:
             self.sinks.append(ConsoleSink())
-        self.sinks.extend(sinks)
+        if leader:
+            self.sinks.extend(sinks)
         self.global_step = 0
         self.event_counts: dict[str, int] = {}
         self.action_counts: dict[str, int] = {"step": 0, "skip": 0, "rollback": 0, "halt": 0}
@@ -141,9 +162,13 @@ class Guard:
             self._remember_position(step, self._batches.current)
         self.actions.unscale()
         measurement = self.stats.measure(loss, self.optimizer, self.scaler)
+        if self.exchange is not None:
+            self._exchange(measurement)
         self.actions.clip(measurement.grads, measurement.total_norm)
         signals = self.stats.resolve(measurement)
         point = _point_from_signals(step, signals)
+        if self.exchange is not None:
+            _add_rank_figures(point, signals.extra, self.exchange.context.world_size)
         decision = self._decide(point, batch_ids, can_roll_back=bool(self.ring.snapshots))
         if per_sample_losses is not None and any(e.kind == "loss_spike" for e in decision.events):
             blamed = self._blame(decision, per_sample_losses, sample_ids or batch_ids, sample_text)
@@ -433,11 +458,46 @@ class Guard:
             self._halt(decision, raise_error=False)
         return decision
 
+    # -- distributed ----------------------------------------------------------------------------
+    def _exchange(self, m: Measurement) -> None:
+        """The step's one collective: every rank's loss, non-finite count, shard norms, own
+        gradient norm before the reduction, and timings; the figures become global."""
+        assert self.exchange is not None and self.stats is not None
+        now = time.perf_counter()
+        hook = self._local_norm
+        nan = torch.full((), math.nan, device=self.stats.device)
+        own_sq = hook.sq if hook is not None and hook.sq is not None else nan
+        batches = self._batches
+        ready = batches.ready_at if batches is not None else None
+        wait = batches.data_wait if batches is not None else 0.0
+        start = ready if ready is not None else self._last_step_time
+        end = hook.first_ready if hook is not None and hook.first_ready is not None else now
+        compute = end - start if start is not None else math.nan
+        timing = torch.tensor([wait + compute, wait], device=self.stats.device)
+        vector = torch.cat([m.rank_vector(), own_sq.reshape(1), timing])
+        gathered = self.exchange.gather(vector)
+        m.combine(gathered[:, : vector.numel() - 3])
+        m.extra = gathered[:, [0, vector.numel() - 3, vector.numel() - 2, vector.numel() - 1]]
+        if hook is not None:
+            hook.reset()
+
+    def _name_ranks(self, events: list[Event]) -> None:
+        """Each event names its rank: the culprit a per-rank check found, else this one."""
+        if self.ranks is None:
+            return
+        culprit = next((e.rank for e in events if e.kind == "rank_outlier"), None)
+        for event in events:
+            if event.rank is None:
+                event.rank = culprit if culprit is not None else self.ranks.rank
+            if event.kind in ("straggler", "rank_outlier"):
+                event.metrics["host"] = self.ranks.hosts[event.rank]
+
     # -- internals ----------------------------------------------------------------------------
     def _decide(
         self, point: MetricPoint, batch_ids: Iterable[Any] | None, can_roll_back: bool = False
     ) -> Decision:
         events = self.detectors.update(point)
+        self._name_ranks(events)
         decision = self.policy.decide(point, events, can_roll_back)
         if decision.action != "step" or any(e.severity != "info" for e in events):
             self._last_incident = point.step
@@ -456,6 +516,8 @@ class Guard:
         return decision
 
     def _emit(self, event: Event) -> None:
+        if self.ranks is not None and event.rank is None:
+            event.rank = self.ranks.rank
         self.event_counts[event.kind] = self.event_counts.get(event.kind, 0) + 1
         for sink in self.sinks:
             sink.on_event(event)
@@ -489,6 +551,13 @@ class Guard:
                 record["group_update_ratios"] = signals.group_update_ratios
         elif point.group_grad_norms:
             record["group_grad_norms"] = point.group_grad_norms
+        if point.rank_losses is not None:
+            record["ranks"] = {
+                "loss": point.rank_losses,
+                "grad_norm": point.rank_grad_norms,
+                "step_time_s": point.rank_step_times,
+                "data_wait_s": point.rank_data_waits,
+            }
         if decision.events:
             record["events"] = [e.kind for e in decision.events]
         record = _json_number(record)
@@ -675,6 +744,16 @@ def _version() -> str:
     from trainguard import __version__
 
     return __version__
+
+
+def _add_rank_figures(point: MetricPoint, extra: list[float], world: int) -> None:
+    """Per-rank columns of the exchange: loss, own grad norm squared, step time, data wait."""
+    rows = [extra[r * 4 : (r + 1) * 4] for r in range(world)]
+    point.rank_losses = [r[0] for r in rows]
+    if not all(math.isnan(r[1]) for r in rows):  # all NaN: no DDP hook measured them
+        point.rank_grad_norms = [math.sqrt(r[1]) if r[1] >= 0 else r[1] for r in rows]
+    point.rank_step_times = [r[2] for r in rows]
+    point.rank_data_waits = [r[3] for r in rows]
 
 
 def _point_from_signals(step: int, s: StepSignals) -> MetricPoint:

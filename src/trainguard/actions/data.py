@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -52,6 +53,8 @@ class GuardedBatches:
         self.position = 0  # batches drawn from the source so far in this pass
         self.current: int | None = None  # position of the batch last handed out
         self.current_ids: list[Any] | None = None
+        self.data_wait = 0.0  # seconds the last batch took to arrive (skipped ones included)
+        self.ready_at: float | None = None  # when it was handed out
         self.skip: list[tuple[int, int]] = []  # half-open ranges of positions never handed out
         self._rewind: dict[str, Any] | None = None
         self._resume: dict[str, Any] | None = None
@@ -87,14 +90,17 @@ class GuardedBatches:
         else:
             self._open(None)
         self._resume = None
+        waited = 0.0
         while True:
             if self._rewind is not None:
                 self._open(self._rewind)
             assert self._iterator is not None
+            asked = time.perf_counter()
             try:
                 batch = next(self._iterator)
             except StopIteration:
                 return
+            waited += time.perf_counter() - asked
             position = self.position
             self.position += 1
             if any(a <= position < b for a, b in self.skip):
@@ -103,6 +109,8 @@ class GuardedBatches:
             if ids is not None and self.quarantined(ids):
                 continue
             self.current, self.current_ids = position, ids
+            self.data_wait, self.ready_at = waited, time.perf_counter()
+            waited = 0.0
             yield batch
 
     def _open(self, state: dict[str, Any] | None) -> None:

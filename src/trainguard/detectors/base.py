@@ -27,6 +27,11 @@ class MetricPoint:
     nonfinite_params: list[str] = field(default_factory=list)
     group_grad_norms: dict[str, float] | None = None
     update_ratio: float | None = None
+    # distributed runs: one value per rank, measured before the gradient reduction
+    rank_losses: list[float] | None = None
+    rank_grad_norms: list[float] | None = None
+    rank_step_times: list[float] | None = None  # data wait + compute up to the first reduction
+    rank_data_waits: list[float] | None = None
 
     @property
     def loss_finite(self) -> bool:

@@ -14,6 +14,7 @@ from trainguard.detectors.gradients import (
 from trainguard.detectors.health import HealthThresholdDetector
 from trainguard.detectors.loss_spike import LossSpikeDetector
 from trainguard.detectors.nonfinite import NonFiniteDetector
+from trainguard.detectors.ranks import RankOutlierDetector, StragglerDetector
 from trainguard.detectors.series import MAX_SPAN, MIN_SPAN, MetricSeries
 from trainguard.detectors.trends import DivergenceDetector, OscillationDetector, StallDetector
 from trainguard.events import Event
@@ -34,6 +35,8 @@ class DetectorSuite:
             (cfg.divergence.enabled, DivergenceDetector(cfg.divergence)),
             (cfg.oscillation.enabled, OscillationDetector(cfg.oscillation)),
             (cfg.health.enabled, HealthThresholdDetector(cfg.health)),
+            (cfg.ranks.enabled, RankOutlierDetector(cfg.ranks)),
+            (cfg.straggler.enabled, StragglerDetector(cfg.straggler)),
         ]
         detectors.extend(d for enabled, d in optional if enabled)
         self.detectors = detectors

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainguard.events import Severity
 
@@ -237,9 +238,18 @@ def _depth(model: nn.Module) -> int:
     return depth
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's values on this rank: its shard under FSDP2, which is enough for init stats."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 def _init(model: nn.Module, n_layers: int) -> list[Finding]:
     findings: list[Finding] = []
-    named = dict(model.named_parameters())
+    named = {
+        name: _local(p).detach()
+        for name, p in model.named_parameters()
+        if _local(p).numel() > 1 or (name.endswith("bias") and _local(p).numel() > 0)
+    }
     weights = [
         (name, p)
         for name, p in named.items()

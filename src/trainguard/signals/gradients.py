@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainguard.events import TrainguardError
 from trainguard.signals.layer_groups import LayerGroups
@@ -39,6 +40,7 @@ class StepSignals:
     update_ratio: float | None = None
     update_step: int | None = None
     group_update_ratios: dict[str, float] = field(default_factory=dict)
+    extra: list[float] = field(default_factory=list)  # what the caller appended (per-rank data)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class _Layout:
     present: tuple[int, ...] | None
     group_index: torch.Tensor
     slices: list[tuple[int, int]]
+    sharded: torch.Tensor | None  # which gradients are shards of a larger one (FSDP2, DTensor)
 
 
 @dataclass
@@ -56,12 +59,54 @@ class Measurement:
 
     grads: list[torch.Tensor]
     total_norm: torch.Tensor
-    packed: torch.Tensor
+    head: torch.Tensor  # loss, grad norm, non-finite count, loss scale, found-inf
+    first: torch.Tensor
+    group_norms: torch.Tensor
+    tail: list[torch.Tensor]
     present: tuple[int, ...] | None
     n_first: int
     lrs: list[Any]
     has_scaler: bool
     pending_step: int | None
+    # squared norms split into replicated gradients and this rank's shards, for `combine`
+    rep_sq: torch.Tensor | None = None
+    shard_sq: torch.Tensor | None = None
+    group_rep_sq: torch.Tensor | None = None
+    group_shard_sq: torch.Tensor | None = None
+    extra: torch.Tensor | None = None
+
+    @property
+    def packed(self) -> torch.Tensor:
+        pieces = [self.head, self.first, self.group_norms, *self.tail]
+        if self.extra is not None:
+            pieces.append(self.extra.to(self.head.device, torch.float32).reshape(-1))
+        return torch.cat(pieces)
+
+    def rank_vector(self) -> torch.Tensor:
+        """This rank's part of the per-step exchange: loss, non-finite count, and the squared
+        norms of its own gradient shards (total, then per layer group)."""
+        assert self.shard_sq is not None and self.group_shard_sq is not None
+        return torch.cat(
+            [self.head[0:1], self.head[2:3], self.shard_sq.reshape(1), self.group_shard_sq]
+        )
+
+    def combine(self, gathered: torch.Tensor) -> None:
+        """Make the figures global from every rank's `rank_vector` (rows of `gathered`): the
+        mean loss, the worst non-finite count, norms over all shards. Every rank computes
+        the same numbers from the same rows, so every rank decides alike."""
+        assert self.rep_sq is not None and self.group_rep_sq is not None
+        rows = gathered.to(self.head.device)
+        total = (self.rep_sq + rows[:, 2].sum()).sqrt()
+        self.head = torch.cat(
+            [
+                rows[:, 0].mean().reshape(1),
+                total.reshape(1),
+                rows[:, 1].max().reshape(1),
+                self.head[3:],
+            ]
+        )
+        self.group_norms = (self.group_rep_sq + rows[:, 3:].sum(dim=0)).sqrt()
+        self.total_norm = total
 
 
 class GradientStats:
@@ -96,6 +141,7 @@ class GradientStats:
         self.groups = LayerGroups(self.names, group_patterns)
         self.stats_every = stats_every
         self._group_index_all = torch.tensor(self.groups.index, device=self.device)
+        self._sharded = [_is_shard(p) for p in self.params]
         self._layouts: dict[tuple[int, ...] | None, _Layout] = {}
         self._full = self._make_layout(None)
         self._prev_params: list[torch.Tensor] | None = None
@@ -113,7 +159,10 @@ class GradientStats:
                 slices.append((start, k))
                 start = k
         group_index = self._group_index_all[torch.tensor(indices, device=self.device)]
-        layout = _Layout(present=present, group_index=group_index, slices=slices)
+        sharded = None
+        if any(self._sharded[i] for i in indices):
+            sharded = torch.tensor([self._sharded[i] for i in indices], device=self.device)
+        layout = _Layout(present=present, group_index=group_index, slices=slices, sharded=sharded)
         self._layouts[present] = layout
         return layout
 
@@ -125,8 +174,11 @@ class GradientStats:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _group_norms(self, sq: torch.Tensor, layout: _Layout) -> torch.Tensor:
+        return self._group_sq(sq, layout).sqrt_()
+
+    def _group_sq(self, sq: torch.Tensor, layout: _Layout) -> torch.Tensor:
         out = torch.zeros(len(self.groups), device=self.device, dtype=torch.float32)
-        return out.index_add_(0, layout.group_index, sq).sqrt_()
+        return out.index_add_(0, layout.group_index, sq)
 
     # -- per step -------------------------------------------------------------------------
     @torch.no_grad()
@@ -138,7 +190,7 @@ class GradientStats:
     ) -> Measurement:
         """Launch the step's statistics on the device; nothing crosses to the host yet."""
         all_grads = [p.grad for p in self.params]
-        grads = [g for g in all_grads if g is not None]
+        grads = [_local(g) for g in all_grads if g is not None]
         if len(grads) == len(all_grads):
             layout = self._full
         else:
@@ -151,6 +203,11 @@ class GradientStats:
         norms = self._norms(grads, layout)
         self._last = (norms, layout)  # kept on the device for a report on an incident step
         sq = norms.square()
+        if layout.sharded is None:
+            rep_sq, shard_sq = sq, torch.zeros_like(sq)
+        else:
+            rep_sq = torch.where(layout.sharded, torch.zeros_like(sq), sq)
+            shard_sq = sq - rep_sq
         total = sq.sum().sqrt()
         nonfinite = (~torch.isfinite(norms)).to(torch.float32)
         n_first = min(FIRST_NONFINITE, nonfinite.numel())
@@ -161,27 +218,34 @@ class GradientStats:
         scale, found_inf = _scaler_state(scaler, optimizer) if has_scaler else (None, None)
         head.append(scale if scale is not None else torch.zeros((), device=self.device))
         head.append(found_inf if found_inf is not None else torch.zeros((), device=self.device))
-        pieces = [torch.stack([h.to(self.device, torch.float32).reshape(()) for h in head])]
-        pieces.append(first.to(torch.float32))
-        pieces.append(self._group_norms(sq, layout))
+        tail: list[torch.Tensor] = []
         pending_step = None
         if self._pending is not None:
             pending_step, pending = self._pending
-            pieces.append(pending)
+            tail.append(pending)
             self._pending = None
         lrs: list[Any] = [g["lr"] for g in optimizer.param_groups]
         lr_tensors = [lr for lr in lrs if isinstance(lr, torch.Tensor)]
         if lr_tensors:
-            pieces.append(torch.stack([t.to(self.device, torch.float32) for t in lr_tensors]))
+            tail.append(torch.stack([t.to(self.device, torch.float32) for t in lr_tensors]))
+        group_rep = self._group_sq(rep_sq, layout)
+        group_shard = self._group_sq(shard_sq, layout)
         return Measurement(
             grads=grads,
             total_norm=total,
-            packed=torch.cat(pieces),
+            head=torch.stack([h.to(self.device, torch.float32).reshape(()) for h in head]),
+            first=first.to(torch.float32),
+            group_norms=(group_rep + group_shard).sqrt(),
+            tail=tail,
             present=layout.present,
             n_first=n_first,
             lrs=lrs,
             has_scaler=has_scaler,
             pending_step=pending_step,
+            rep_sq=rep_sq.sum(),
+            shard_sq=shard_sq.sum(),
+            group_rep_sq=group_rep,
+            group_shard_sq=group_shard,
         )
 
     def resolve(self, m: Measurement) -> StepSignals:
@@ -222,10 +286,13 @@ class GradientStats:
                 name: (u / p if p > 0 else 0.0)
                 for name, p, u in zip(self.groups.group_names, gp, gu, strict=True)
             }
-        lr_values = iter(values[pos:])
+        n_extra = m.extra.numel() if m.extra is not None else 0
+        lr_values = iter(values[pos : len(values) - n_extra])
         signals.lrs = [
             next(lr_values) if isinstance(lr, torch.Tensor) else float(lr) for lr in m.lrs
         ]
+        if n_extra:
+            signals.extra = values[len(values) - n_extra :]
         return signals
 
     def group_report(self) -> dict[str, dict[str, float]]:
@@ -254,7 +321,7 @@ class GradientStats:
     def before_optimizer_step(self, step: int) -> None:
         """On sampling steps, keep a copy of the parameters to measure the update against."""
         if self.stats_every and step % self.stats_every == 0:
-            self._prev_params = list(torch._foreach_mul(self.params, 1.0))
+            self._prev_params = list(torch._foreach_mul(self._local_params(), 1.0))
 
     @torch.no_grad()
     def after_optimizer_step(self, step: int) -> None:
@@ -263,9 +330,10 @@ class GradientStats:
         if prev is None:
             return
         self._prev_params = None
-        torch._foreach_sub_(prev, self.params)
+        params = self._local_params()
+        torch._foreach_sub_(prev, params)
         upd = self._norms(prev, self._full)
-        par = self._norms(self.params, self._full)
+        par = self._norms(params, self._full)
         del prev
         usq, psq = upd.square(), par.square()
         self._pending = (
@@ -280,9 +348,28 @@ class GradientStats:
             ),
         )
 
+    def _local_params(self) -> list[torch.Tensor]:
+        """The parameters as this rank holds them (its shards under FSDP2); under FSDP2 the
+        update ratio is measured on this rank's shards."""
+        if not any(self._sharded):
+            return self.params
+        return [_local(p.detach()) for p in self.params]
+
     def discard_update(self) -> None:
         """Forget the parameter copy of a step that was skipped."""
         self._prev_params = None
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient's local shard (FSDP2); a plain tensor as it is."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def _is_shard(param: torch.Tensor) -> bool:
+    """Whether this rank holds only a part of the parameter (and so of its gradient)."""
+    if not isinstance(param, DTensor):
+        return False
+    return any(p.is_shard() or p.is_partial() for p in param.placements)
 
 
 def _loss_tensor(loss: torch.Tensor | float, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,175 @@
+"""Workers for the distributed tests: each runs a small guarded DDP or FSDP2 job on the gloo
+backend in its own process and writes what it saw to a JSON file per rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import trainguard as tg
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "broadcast",
+    "barrier",
+    "all_gather_object",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+)
+
+
+def model_and_data(
+    rank: int, steps: int
+) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    torch.manual_seed(0)  # the same weights on every rank
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    w = torch.randn(16, 1, generator=torch.Generator().manual_seed(7))
+    data = []
+    for _ in range(steps):
+        x = torch.randn(32, 16, generator=g)
+        data.append((x, x @ w + 0.1 * torch.randn(32, 1, generator=g)))
+    return model, data
+
+
+class CollectiveCounter:
+    """Counts torch.distributed collectives made while `active`."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.count = 0
+        for name in COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+
+            def wrapped(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                if self.active:
+                    self.count += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, wrapped)
+
+
+def run(rank: int, world: int, scenario: str, out: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(1234 + rank)
+    try:
+        result = SCENARIOS[scenario](rank, world, Path(out))
+    finally:
+        dist.destroy_process_group()
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def ddp_job(
+    rank: int,
+    world: int,
+    out: Path,
+    steps: int,
+    config: dict[str, Any],
+    fault: Any = None,
+    sleep: Any = None,
+) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, data = model_and_data(rank, steps + 50)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    cfg = tg.GuardConfig.from_dict({"console": False, **config})
+    counter = CollectiveCounter()
+    guard = tg.Guard(ddp, opt, config=cfg, run_dir=out)
+    actions, per_step = [], []
+    batches = guard.batches(data)
+    for i, (x, y) in enumerate(batches):
+        if i >= steps:
+            break
+        step = guard.global_step
+        if sleep is not None:
+            time.sleep(sleep(rank, step))
+        loss = nn.functional.mse_loss(ddp(x), y)
+        if fault is not None:
+            loss = fault(rank, step, loss)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        counter.active, counter.count = True, 0
+        decision = guard.step(loss, batch_ids=[f"r{rank}-b{i}"])
+        counter.active = False
+        per_step.append(counter.count)
+        actions.append([decision.step, decision.action])
+    guard.close()
+    return {
+        "actions": actions,
+        "collectives_per_step": per_step,
+        "exchange_calls": guard.exchange.calls if guard.exchange else 0,
+        "weights": [float(p.detach().sum()) for p in model.parameters()],
+    }
+
+
+def nan_on_rank1(rank: int, world: int, out: Path) -> dict[str, Any]:
+    def fault(r: int, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float("nan") if (r == 1 and step == 30) else loss
+
+    return ddp_job(rank, world, out, 60, {}, fault=fault)
+
+
+def toxic_on_rank2(rank: int, world: int, out: Path) -> dict[str, Any]:
+    def fault(r: int, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * 50.0 if (r == 2 and 60 <= step < 66) else loss
+
+    config = {"recovery": {"snapshot_every": 20, "rollback_margin": 5}}
+    return ddp_job(rank, world, out, 110, config, fault=fault)
+
+
+def straggler(rank: int, world: int, out: Path) -> dict[str, Any]:
+    config = {"straggler": {"every": 10, "windows": 2, "factor": 1.5}}
+    return ddp_job(rank, world, out, 50, config, sleep=lambda r, s: 0.04 if r == 1 else 0.02)
+
+
+def fsdp_norm(rank: int, world: int, out: Path) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    model, data = model_and_data(rank, 5)
+    reference, _ = model_and_data(rank, 5)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg = tg.GuardConfig.from_dict({"console": False, "max_grad_norm": None})
+    guard = tg.Guard(model, opt, config=cfg)
+    norms, expected = [], []
+    everyone = [model_and_data(r, 5)[1] for r in range(world)]
+    for step in range(3):
+        x, y = data[step]
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        norms.append(float(guard.step(loss).metrics["grad_norm"]))
+        # the single-process reference: the same weights, the mean of every rank's loss
+        reference.zero_grad(set_to_none=True)
+        full = sum(nn.functional.mse_loss(reference(d[step][0]), d[step][1]) for d in everyone)
+        (full / world).backward()
+        expected.append(
+            float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+        )
+        with torch.no_grad():
+            for p in reference.parameters():
+                p -= 0.01 * p.grad
+    return {"norms": norms, "expected": expected}
+
+
+SCENARIOS = {
+    "nan_on_rank1": nan_on_rank1,
+    "toxic_on_rank2": toxic_on_rank2,
+    "straggler": straggler,
+    "fsdp_norm": fsdp_norm,
+}

@@ -1,0 +1,71 @@
+"""Distributed runs on the gloo backend in 2 and 4 processes: one decision on every rank, per-rank
+checks, stragglers, and the global grad norm of sharded gradients."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+from dist_worker import run
+
+
+def launch(scenario: str, world: int, out: Path) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(run, args=(world, scenario, str(out), port), nprocs=world, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def events(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+
+
+def test_a_nan_on_rank_1_alone_makes_every_rank_skip_the_same_step(tmp_path):
+    results = launch("nan_on_rank1", 2, tmp_path)
+    assert results[0]["actions"] == results[1]["actions"]
+    assert dict(map(tuple, results[0]["actions"]))[30] == "skip"
+    assert results[0]["weights"] == results[1]["weights"]  # the replicas never diverged
+    for r in results:  # the guard's one collective per step, and nothing else inside step()
+        assert r["collectives_per_step"] == [1] * 60 and r["exchange_calls"] == 60
+    found = [e for e in events(tmp_path) if e["step"] == 30]
+    outlier = next(e for e in found if e["kind"] == "rank_outlier")
+    assert outlier["rank"] == 1 and outlier["severity"] == "critical"
+    assert outlier["metrics"]["ranks"] == [1] and "non-finite" in outlier["message"]
+    assert next(e for e in found if e["kind"] == "nonfinite")["rank"] == 1
+    assert all(e["rank"] is not None for e in events(tmp_path))
+
+
+def test_toxic_batches_on_one_rank_roll_every_rank_back_together(tmp_path):
+    results = launch("toxic_on_rank2", 4, tmp_path)
+    first = results[0]["actions"]
+    assert all(r["actions"] == first for r in results)
+    assert "rollback" in {a for _, a in first}
+    assert all(r["weights"] == results[0]["weights"] for r in results)
+    found = events(tmp_path)
+    outliers = [e for e in found if e["kind"] == "rank_outlier"]
+    assert outliers and all(e["metrics"]["ranks"] == [2] for e in outliers)
+    spike = next(e for e in found if e["kind"] == "loss_spike")
+    assert spike["step"] == 60 and spike["rank"] == 2
+    rollback = next(e for e in found if e["kind"] == "rollback")
+    assert rollback["metrics"]["to_step"] < 60
+
+
+def test_a_rank_slowed_2x_is_named_a_straggler(tmp_path):
+    launch("straggler", 2, tmp_path)
+    found = [e for e in events(tmp_path) if e["kind"] == "straggler"]
+    assert [e["rank"] for e in found] == [1]
+    figures = found[0]["metrics"]
+    assert figures["step_time_s"] > 1.5 * figures["median_step_time_s"]
+    assert figures["host"] == socket.gethostname()
+
+
+def test_the_fsdp2_grad_norm_equals_the_single_process_one(tmp_path):
+    results = launch("fsdp_norm", 2, tmp_path)
+    for r in results:
+        assert r["norms"] == pytest.approx(r["expected"], rel=1e-5)
+    assert results[0]["norms"] == results[1]["norms"]
