@@ -4,7 +4,10 @@ checks, stragglers, and the global grad norm of sharded gradients."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,3 +72,41 @@ def test_the_fsdp2_grad_norm_equals_the_single_process_one(tmp_path):
     for r in results:
         assert r["norms"] == pytest.approx(r["expected"], rel=1e-5)
     assert results[0]["norms"] == results[1]["norms"]
+
+
+def torchrun(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        str(Path(__file__).with_name("torchrun_worker.py")),
+        str(run_dir),
+        *args,
+    ]
+    return subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+
+
+def test_a_rank_killed_under_torchrun_restarts_and_resumes_where_it_was(tmp_path):
+    clean = torchrun(tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    killed = torchrun(tmp_path / "killed", "--kill-at", "37")
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    for rank in (0, 1):
+        a = json.loads((tmp_path / "clean" / f"result-rank{rank}.json").read_text())
+        b = json.loads((tmp_path / "killed" / f"result-rank{rank}.json").read_text())
+        assert b["attempt"] == "1" and b["start"] == 30  # the last complete checkpoint
+        assert b["window_at_start"] > 0  # the detectors' state came back
+        assert b["weights"] == pytest.approx(a["weights"], rel=1e-6)
+    assert json.loads((tmp_path / "killed" / "result-rank0.json").read_text())["quarantined"] == 1
+    found = events(tmp_path / "killed")
+    assert any(e["kind"] == "resume" and e["metrics"]["step"] == 30 for e in found)
+    shards = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").glob("step-*/*"))
+    assert "trainguard-rank0.json" in shards and "trainguard-rank1.json" in shards

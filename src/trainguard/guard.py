@@ -15,7 +15,9 @@ from torch.nn.parallel import DistributedDataParallel
 from trainguard.actions import OptimizerActions
 from trainguard.actions.checkpoints import (
     CheckpointStore,
+    load_sharded,
     restore_training_state,
+    sharded_training_state,
     training_state,
 )
 from trainguard.actions.data import GuardedBatches, default_batch_ids
@@ -109,10 +111,12 @@ class Guard:
         self._last_trace = -(10**9)
         rec = self.config.recovery
         self.checkpoints: CheckpointStore | None = None
-        durable = self.ranks is None  # sharded DCP checkpoints across ranks: not yet
-        if durable and self.run_dir is not None and model is not None and optimizer is not None:
+        if self.run_dir is not None and model is not None and optimizer is not None:
             self.checkpoints = CheckpointStore(
-                self.run_dir / "checkpoints", rec.keep_checkpoints, rec.async_checkpoints
+                self.run_dir / "checkpoints",
+                rec.keep_checkpoints,
+                rec.async_checkpoints,
+                self.ranks,
             )
         self.sinks: list[Sink] = []
         if self.run_dir is not None and leader:  # one writer in a distributed run: rank 0
@@ -588,7 +592,12 @@ class Guard:
         known_good = self._healthy_window(step)
         if known_good:
             self._last_good_checkpoint = step
-        tensors, plain = training_state(self.model, self.optimizer, self.scheduler, self.scaler)
+        if self.ranks is None:
+            tensors, plain = training_state(self.model, self.optimizer, self.scheduler, self.scaler)
+        else:
+            tensors, plain = sharded_training_state(
+                self.model, self.optimizer, self.scheduler, self.scaler, self.ranks.rank
+            )
         plain.update(
             {
                 "guard": self.state_dict(),
@@ -644,17 +653,32 @@ class Guard:
     def _restore_newest(self) -> None:
         assert self.checkpoints is not None and self.model is not None
         assert self.optimizer is not None and self.actions is not None
-        found = self.checkpoints.load_newest(self._warn)
-        if found is None:
-            self._warn(
-                f"no complete checkpoint in {self.checkpoints.directory}: starting at step 0"
+        if self.ranks is not None:
+            found_dist = self._newest_for_all_ranks()
+            if found_dist is None:
+                return
+            manifest, path = found_dist
+            plain = load_sharded(
+                self.checkpoints,
+                path,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.scaler,
+                self.ranks.rank,
             )
-            return
-        manifest, tensors, plain = found
-        path = Path(manifest["path"])
-        restore_training_state(
-            tensors, plain, self.model, self.optimizer, self.scheduler, self.scaler
-        )
+        else:
+            found = self.checkpoints.load_newest(self._warn)
+            if found is None:
+                self._warn(
+                    f"no complete checkpoint in {self.checkpoints.directory}: starting at step 0"
+                )
+                return
+            manifest, tensors, plain = found
+            path = Path(manifest["path"])
+            restore_training_state(
+                tensors, plain, self.model, self.optimizer, self.scheduler, self.scaler
+            )
         self.load_state_dict(plain["guard"])
         self.checkpoints.protected = set(plain.get("protected", []))
         self._last_good_checkpoint = plain.get("last_good_checkpoint")
@@ -669,6 +693,29 @@ class Guard:
                 action="step",
             )
         )
+
+    def _newest_for_all_ranks(self) -> tuple[dict[str, Any], Path] | None:
+        """Rank 0 picks the newest checkpoint that verifies; every rank gets its choice."""
+        assert self.checkpoints is not None and self.ranks is not None
+        choice: list[Any] = [None]
+        if self.ranks.is_leader:
+            for path in self.checkpoints.complete():
+                try:
+                    manifest = self.checkpoints.verify(path)
+                except TrainguardError as exc:
+                    self._warn(f"{path.name} is unusable ({exc}); using the one before it")
+                    continue
+                manifest["path"] = str(path)
+                choice = [manifest]
+                break
+        torch.distributed.broadcast_object_list(choice, src=0, group=self.ranks.group)
+        if choice[0] is None:
+            self._warn(
+                f"no complete checkpoint in {self.checkpoints.directory}: starting at step 0"
+            )
+            return None
+        manifest = dict(choice[0])
+        return manifest, Path(manifest["path"])
 
     def _warn(self, message: str) -> None:
         self._emit(

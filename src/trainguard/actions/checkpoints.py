@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from trainguard.actions.snapshots import rng_from_plain, rng_state, rng_to_plain, set_rng_state
+from trainguard.distributed.context import RankContext
 from trainguard.events import TrainguardError, _utc_now
 
 MANIFEST = "manifest.json"
@@ -155,8 +157,18 @@ class CheckpointStore:
     """`directory/step-N/`: DCP tensor files, `trainguard.json` (plain state) and `manifest.json`
     (step, time, sha256 of each file, version, incident state), renamed in place when complete."""
 
-    def __init__(self, directory: str | Path, keep: int = 3, asynchronous: bool = True) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        keep: int = 3,
+        asynchronous: bool = True,
+        ranks: RankContext | None = None,
+    ) -> None:
         self.directory = Path(directory)
+        self.ranks = ranks
+        # DCP's collectives get a group of their own: an asynchronous save runs them in a
+        # background thread, which must not interleave with the guard's per-step all-gather
+        self.group = dist.new_group(backend="gloo") if ranks is not None else None
         self.keep = keep
         self.asynchronous = asynchronous
         self._pending: threading.Event | None = None  # set once the write is finished
@@ -176,15 +188,26 @@ class CheckpointStore:
         """Stage the tensors (the only part that blocks training) and write in the background."""
         self.wait()
         self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = self.directory / f".{PREFIX}{step}.tmp-{uuid.uuid4().hex[:8]}"
+        ranks = self.ranks
+        token = ranks.token if ranks is not None else uuid.uuid4().hex[:8]
+        tmp = self.directory / f".{PREFIX}{step}.tmp-{token}"
         plain_text = json.dumps(plain)
+        leader = ranks is None or ranks.is_leader
+        if ranks is not None:  # each rank's own plain state, on disk before DCP's last barrier
+            tmp.mkdir(parents=True, exist_ok=True)
+            (tmp / plain_name(ranks.rank)).write_text(plain_text)
+        no_dist = ranks is None and _no_dist()
         with _quiet_single_process():
             if self.asynchronous:
                 future: Any = dcp_async_save(
-                    tensors, checkpoint_id=tmp, no_dist=_no_dist(), async_stager=self._stager
+                    tensors,
+                    checkpoint_id=tmp,
+                    no_dist=no_dist,
+                    async_stager=self._stager,
+                    process_group=self.group,
                 )
             else:
-                dcp_save(tensors, checkpoint_id=tmp, no_dist=_no_dist())
+                dcp_save(tensors, checkpoint_id=tmp, no_dist=no_dist, process_group=self.group)
                 future = concurrent.futures.Future()
                 future.set_result(None)
 
@@ -193,7 +216,8 @@ class CheckpointStore:
         def finish(done: concurrent.futures.Future[Any]) -> None:
             try:
                 done.result()
-                self._finish(step, tmp, plain_text, manifest)
+                if leader:  # DCP completes on rank 0 once every rank's files are written
+                    self._finish(step, tmp, None if ranks else plain_text, manifest)
             except Exception as exc:  # reported, never raised into training
                 with self._lock:
                     self.errors.append(f"checkpoint at step {step} failed: {exc}")
@@ -205,8 +229,11 @@ class CheckpointStore:
         if not self.asynchronous:
             self.wait()
 
-    def _finish(self, step: int, tmp: Path, plain_text: str, manifest: dict[str, Any]) -> None:
-        (tmp / PLAIN_STATE).write_text(plain_text)
+    def _finish(
+        self, step: int, tmp: Path, plain_text: str | None, manifest: dict[str, Any]
+    ) -> None:
+        if plain_text is not None:
+            (tmp / PLAIN_STATE).write_text(plain_text)
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         record = {"step": step, "time": _utc_now(), "files": files, **manifest}
         with (tmp / MANIFEST).open("w") as f:
@@ -264,7 +291,9 @@ class CheckpointStore:
                 raise TrainguardError(f"{path}: {name} is missing")
             if _sha256(file) != digest:
                 raise TrainguardError(f"{path}: {name} fails its checksum")
-        if PLAIN_STATE not in manifest.get("files", {}) or ".metadata" not in manifest["files"]:
+        files = manifest.get("files", {})
+        plain = [n for n in files if n == PLAIN_STATE or n.startswith("trainguard-rank")]
+        if not plain or ".metadata" not in files:
             raise TrainguardError(f"{path}: the manifest does not list the checkpoint's files")
         return manifest
 
@@ -301,6 +330,89 @@ class CheckpointStore:
             manifest["path"] = str(path)
             return manifest, tensors, plain
         return None
+
+
+def plain_name(rank: int | None) -> str:
+    """The file of a rank's plain state in a checkpoint (one file without ranks)."""
+    return PLAIN_STATE if rank is None else f"trainguard-rank{rank}.json"
+
+
+def sharded_training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, rank: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`training_state` for a distributed run, through DCP's `get_state_dict` (DDP and FSDP2
+    alike: replicated tensors are written once, shards by their owners); random states are
+    keyed by rank."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    both: Any = get_state_dict(model, optimizer)
+    model_sd, optim_sd = both
+    opt_tensors: dict[str, dict[str, Any]] = {}
+    opt_plain: dict[str, dict[str, Any]] = {}
+    for name, values in optim_sd["state"].items():
+        for key, value in values.items():
+            target = opt_tensors if isinstance(value, torch.Tensor) else opt_plain
+            target.setdefault(str(name), {})[key] = value
+    rng = rng_state()
+    own: dict[str, Any] = {"torch": rng["torch"]}
+    if "cuda" in rng:
+        own["cuda"] = {str(i): t for i, t in enumerate(rng["cuda"])}
+    tensors = {
+        "model": model_sd,
+        "optimizer": {"state": opt_tensors},
+        "rng": {f"rank{rank}": own},
+    }
+    plain = {
+        "optimizer": {"param_groups": optim_sd["param_groups"], "state": opt_plain},
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "rng": rng_to_plain({k: v for k, v in rng.items() if k != "cuda"}),
+    }
+    return tensors, plain
+
+
+def load_sharded(
+    store: CheckpointStore,
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+    rank: int,
+) -> dict[str, Any]:
+    """Load this rank's part of a distributed checkpoint into the live objects; its plain state."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    plain_file = path / plain_name(rank)
+    if not plain_file.is_file():
+        raise TrainguardError(
+            f"{path} has no state for rank {rank}: resume with the world size it was written with"
+        )
+    plain = json.loads(plain_file.read_text())
+    tensors, _ = sharded_training_state(model, optimizer, None, None, rank)
+    dcp_load(tensors, storage_reader=SafeReader(path), process_group=store.group)
+    state = {
+        name: {**tensors["optimizer"]["state"].get(name, {}), **values}
+        for name, values in plain["optimizer"]["state"].items()
+    }
+    for name, values in tensors["optimizer"]["state"].items():
+        state.setdefault(name, values)
+    optim_state: Any = {"state": state, "param_groups": plain["optimizer"]["param_groups"]}
+    set_state_dict(
+        model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optim_state
+    )
+    if scheduler is not None and plain["scheduler"] is not None:
+        scheduler.load_state_dict(plain["scheduler"])
+    if scaler is not None and plain["scaler"] is not None:
+        scaler.load_state_dict(plain["scaler"])
+    own = tensors["rng"][f"rank{rank}"]
+    rng = rng_from_plain({**plain["rng"], "torch": []})
+    rng["torch"] = own["torch"]
+    if "cuda" in own:
+        rng["cuda"] = [own["cuda"][k] for k in sorted(own["cuda"], key=int)]
+    set_rng_state(rng)
+    loaded: dict[str, Any] = plain
+    return loaded
 
 
 def training_state(

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 
 @dataclass
@@ -18,6 +22,7 @@ class RankContext:
     hosts: list[str]
     device: torch.device  # where the collectives' tensors live (CPU for gloo)
     group: dist.ProcessGroup | None = None
+    token: str = ""  # chosen by rank 0 at start: names this run's temporary files on every rank
 
     @classmethod
     def detect(
@@ -30,13 +35,38 @@ class RankContext:
         world = dist.get_world_size(group)
         if world < 2:
             return None
-        hosts: list[object] = [None] * world
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        found: list[object] = [None] * world
+        dist.all_gather_object(found, (socket.gethostname(), uuid.uuid4().hex[:8]), group=group)
+        pairs = [tuple(f) for f in found if isinstance(f, (tuple, list))]
         backend = str(dist.get_backend(group))
         comm = torch.device("cpu") if backend == "gloo" else device
-        return cls(dist.get_rank(group), world, [str(h) for h in hosts], comm, group)
+        hosts = [str(p[0]) for p in pairs]
+        return cls(dist.get_rank(group), world, hosts, comm, group, token=str(pairs[0][1]))
 
     @property
     def is_leader(self) -> bool:
         """Rank 0: the one that writes files and sends alerts."""
         return self.rank == 0
+
+
+def init_process_group(backend: str = "gloo", timeout_s: float = 600.0) -> None:
+    """`torch.distributed.init_process_group` that survives `torchrun --max-restarts`: each
+    restart attempt rendezvous under its own store prefix, so no rank reads the address a
+    killed rank left in the agent's store. Outside torchelastic, the plain call."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    timeout = timedelta(seconds=timeout_s)
+    if attempt is None:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size=world,
+        is_master=not agent and rank == 0,
+        timeout=timeout,
+        multi_tenant=not agent,
+    )
+    prefixed = PrefixStore(f"trainguard/attempt-{attempt}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
