@@ -81,6 +81,7 @@ def ddp_job(
     config: dict[str, Any],
     fault: Any = None,
     sleep: Any = None,
+    poison: Any = None,
 ) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -98,13 +99,19 @@ def ddp_job(
         step = guard.global_step
         if sleep is not None:
             time.sleep(sleep(rank, step))
+        if poison is not None:
+            x = poison(rank, step, x)
         loss = nn.functional.mse_loss(ddp(x), y)
         if fault is not None:
-            loss = fault(rank, step, loss)
+            loss = fault(rank, step, loss)  # a fault that a replay does not see
         opt.zero_grad(set_to_none=True)
         loss.backward()
         counter.active, counter.count = True, 0
-        decision = guard.step(loss, batch_ids=[f"r{rank}-b{i}"])
+
+        def replay(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            return nn.functional.mse_loss(ddp(x), y)
+
+        decision = guard.step(loss, batch_ids=[f"r{rank}-b{i}"], replay=replay)
         counter.active = False
         per_step.append(counter.count)
         actions.append([decision.step, decision.action])
@@ -118,10 +125,16 @@ def ddp_job(
 
 
 def nan_on_rank1(rank: int, world: int, out: Path) -> dict[str, Any]:
-    def fault(r: int, step: int, loss: torch.Tensor) -> torch.Tensor:
-        return loss * float("nan") if (r == 1 and step == 30) else loss
+    def poison(r: int, step: int, x: torch.Tensor) -> torch.Tensor:
+        if r == 1 and step == 30:  # bad data: it comes back when the step is replayed
+            return x * 1e25  # finite, but its squared error overflows
+        return x
 
-    return ddp_job(rank, world, out, 60, {}, fault=fault)
+    def fault(r: int, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float("nan") if (r == 1 and step == 45) else loss  # a one-off
+
+    config = {"diagnosis": {"trace_every": 1}}
+    return ddp_job(rank, world, out, 60, config, fault=fault, poison=poison)
 
 
 def toxic_on_rank2(rank: int, world: int, out: Path) -> dict[str, Any]:

@@ -31,15 +31,24 @@ def events(out: Path) -> list[dict]:
 def test_a_nan_on_rank_1_alone_makes_every_rank_skip_the_same_step(tmp_path):
     results = launch("nan_on_rank1", 2, tmp_path)
     assert results[0]["actions"] == results[1]["actions"]
-    assert dict(map(tuple, results[0]["actions"]))[30] == "skip"
+    actions = dict(map(tuple, results[0]["actions"]))
+    assert actions[30] == actions[45] == "skip"
     assert results[0]["weights"] == results[1]["weights"]  # the replicas never diverged
-    for r in results:  # the guard's one collective per step, and nothing else inside step()
-        assert r["collectives_per_step"] == [1] * 60 and r["exchange_calls"] == 60
+    for r in results:  # the guard's one collective per step; a replayed step adds one
+        expected = [2 if step in (30, 45) else 1 for step in range(60)]
+        assert r["collectives_per_step"] == expected and r["exchange_calls"] == 60
     found = [e for e in events(tmp_path) if e["step"] == 30]
     outlier = next(e for e in found if e["kind"] == "rank_outlier")
     assert outlier["rank"] == 1 and outlier["severity"] == "critical"
     assert outlier["metrics"]["ranks"] == [1] and "non-finite" in outlier["message"]
     assert next(e for e in found if e["kind"] == "nonfinite")["rank"] == 1
+    # the replay: the bad input on rank 1 comes back (suspect), with where the NaN began
+    origin = next(e for e in found if e["kind"] == "nan_origin")
+    assert origin["rank"] == 1 and origin["metrics"]["op"] == "aten.mse_loss.default"
+    verdict = [e for e in found if e["kind"] == "rank_outlier" and "suspect" in e["metrics"]]
+    assert [(e["rank"], e["metrics"]["suspect"]) for e in verdict] == [(1, True)]
+    later = [e for e in events(tmp_path) if e["step"] == 45 and "suspect" in e["metrics"]]
+    assert [(e["rank"], e["metrics"]["suspect"]) for e in later] == [(1, False)]
     assert all(e["rank"] is not None for e in events(tmp_path))
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,8 @@ from trainguard.actions.quarantine import Quarantine
 from trainguard.actions.snapshots import SnapshotRing, rng_state, set_rng_state
 from trainguard.config import GuardConfig
 from trainguard.detectors import DetectorSuite, MetricPoint
-from trainguard.diagnosis import blame_samples, trace_nonfinite
+from trainguard.detectors.ranks import RankOutlierDetector
+from trainguard.diagnosis import NonFiniteReport, blame_samples, trace_nonfinite
 from trainguard.diagnosis.lint import Finding, lint
 from trainguard.distributed import (
     LocalGradNorm,
@@ -197,7 +199,8 @@ class Guard:
             self.stats.discard_update()
             self.actions.skip()
         if replay is not None:
-            if "nonfinite" in {e.kind for e in decision.events}:
+            kinds = {e.kind for e in decision.events}
+            if "nonfinite" in kinds or (self.ranks is not None and "rank_outlier" in kinds):
                 self._trace(decision, replay)
             self._replay_rng = rng_state()  # the next step's forward starts from here
         self._record(point, decision, signals)
@@ -278,7 +281,9 @@ class Guard:
         return [s.id for s in samples]
 
     def _trace(self, decision: Decision, replay: Callable[[], torch.Tensor]) -> None:
-        """Re-run the failing step from its starting state with every module and op watched."""
+        """Re-run the failing step from its starting state with every module and op watched;
+        in a distributed run every rank replays its own batch, without gradient sync, and
+        the ranks the per-rank checks named are marked suspect (it came back) or transient."""
         assert self.model is not None and self.optimizer is not None
         if decision.step - self._last_trace < self.config.diagnosis.trace_every:
             return
@@ -287,34 +292,106 @@ class Guard:
         now = rng_state()
         if self._replay_rng is not None:
             set_rng_state(self._replay_rng)
+        losses: list[float] = []
+
+        def watched() -> torch.Tensor:
+            loss = replay()
+            losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) else loss)
+            return loss
+
         try:
-            report = trace_nonfinite(self.model, replay)
+            with self._local_gradients():
+                report = trace_nonfinite(self.model, watched)
         finally:
             set_rng_state(now)
             with torch.no_grad():
                 for name, b in self.model.named_buffers():
                     b.copy_(buffers[name])
             self.optimizer.zero_grad(set_to_none=True)
-        origin = report.origin
+        if self.ranks is None:
+            self._emit_origin(decision, report, None)
+            return
+        mine = (
+            losses[0] if losses else math.nan,
+            report.transient,
+            report.describe(),
+            _origin_metrics(report),
+        )
+        everyone: list[Any] = [None] * self.ranks.world_size
+        torch.distributed.all_gather_object(everyone, mine, group=self.ranks.group)
+        for rank, (loss, transient, text, metrics) in enumerate(everyone):
+            if not transient or not math.isfinite(loss):
+                self._emit_origin(decision, report, rank, text, metrics)
+        self._judge_ranks(decision, [float(e[0]) for e in everyone])
+
+    def _emit_origin(
+        self,
+        decision: Decision,
+        report: NonFiniteReport,
+        rank: int | None,
+        text: str | None = None,
+        metrics: dict[str, Any] | None = None,
+    ) -> None:
+        message = text if text is not None else report.describe()
         event = Event(
             step=decision.step,
             kind="nan_origin",
-            severity="critical" if origin is not None else "warning",
-            message=report.describe(),
-            metrics={
-                "transient": report.transient,
-                "module": origin.module if origin else None,
-                "module_type": origin.module_type if origin else None,
-                "direction": origin.direction if origin else None,
-                "op": origin.op if origin else None,
-                "input_absmax": origin.input_absmax if origin else None,
-                "dtype": origin.dtype if origin else None,
-                "frames": origin.frames if origin else [],
-            },
+            severity="critical" if (metrics or _origin_metrics(report))["module"] else "warning",
+            message=message if rank is None else f"rank {rank}: {message}",
+            metrics=metrics if metrics is not None else _origin_metrics(report),
             action=decision.action,
+            rank=rank,
         )
         decision.events.append(event)
         self._emit(event)
+
+    def _judge_ranks(self, decision: Decision, replayed: list[float]) -> None:
+        """Each rank a per-rank check named: suspect when its value is out of line again on
+        replay (silent data corruption or a bad shard), transient when it is not."""
+        outliers = RankOutlierDetector(self.config.ranks)
+        again = outliers.update(MetricPoint(decision.step, math.nan, rank_losses=replayed))
+        repeated = {r for e in again for r in e.metrics["ranks"]}
+        flagged = sorted(
+            {r for e in decision.events if e.kind == "rank_outlier" for r in e.metrics["ranks"]}
+        )
+        for rank in flagged:
+            suspect = rank in repeated
+            message = (
+                f"rank {rank} is suspect: its loss was out of line again when the step was "
+                "replayed (silent data corruption or a bad data shard)"
+                if suspect
+                else f"rank {rank} was transient: the replayed step was in line with the "
+                "other ranks"
+            )
+            event = Event(
+                step=decision.step,
+                kind="rank_outlier",
+                severity="critical" if suspect else "info",
+                message=message,
+                metrics={"ranks": [rank], "suspect": suspect, "replayed_losses": replayed},
+                action=decision.action,
+                rank=rank,
+            )
+            decision.events.append(event)
+            self._emit(event)
+
+    @contextlib.contextmanager
+    def _local_gradients(self) -> Iterator[None]:
+        """A replay keeps its gradients on this rank: DDP's no_sync, FSDP2's gradient sync off."""
+        model = self.model
+        if self.ranks is None or model is None:
+            yield
+        elif isinstance(model, DistributedDataParallel):
+            with model.no_sync():
+                yield
+        elif callable(sync := getattr(model, "set_requires_gradient_sync", None)):
+            sync(False)
+            try:
+                yield
+            finally:
+                sync(True)
+        else:
+            yield
 
     # -- recovery -----------------------------------------------------------------------------
     def _remember_position(self, step: int, position: int) -> None:
@@ -791,6 +868,20 @@ def _version() -> str:
     from trainguard import __version__
 
     return __version__
+
+
+def _origin_metrics(report: NonFiniteReport) -> dict[str, Any]:
+    origin = report.origin
+    return {
+        "transient": report.transient,
+        "module": origin.module if origin else None,
+        "module_type": origin.module_type if origin else None,
+        "direction": origin.direction if origin else None,
+        "op": origin.op if origin else None,
+        "input_absmax": origin.input_absmax if origin else None,
+        "dtype": origin.dtype if origin else None,
+        "frames": origin.frames if origin else [],
+    }
 
 
 def _add_rank_figures(point: MetricPoint, extra: list[float], world: int) -> None:
