@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/diagnosis.py
 	$(BIN)/python benchmarks/analyze.py
 	$(BIN)/python benchmarks/curves.py
+	$(BIN)/python benchmarks/distributed.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
