@@ -180,7 +180,39 @@ def fsdp_norm(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {"norms": norms, "expected": expected}
 
 
+def fsdp_checkpoint(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Train 12 steps with checkpoints at 5 and 10; then resume fresh objects from the one at
+    10 and train to 12 again: the same weights, shard for shard."""
+    from torch.distributed.fsdp import fully_shard
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer, list[Any]]:
+        model, data = model_and_data(rank, 20)
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01), data
+
+    def train(guard: tg.Guard, model: nn.Module, data: list[Any]) -> list[float]:
+        for x, y in guard.batches(data):
+            if guard.global_step >= 12:
+                break
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            guard.step(loss)
+            guard.optimizer.zero_grad(set_to_none=True)
+        guard.checkpoints.wait()
+        return [float(p.full_tensor().double().sum()) for p in model.parameters()]
+
+    cfg = tg.GuardConfig.from_dict({"console": False, "recovery": {"checkpoint_every": 5}})
+    model, opt, data = build()
+    first = train(tg.Guard(model, opt, config=cfg, run_dir=out), model, data)
+    model, opt, data = build()
+    guard = tg.Guard.resume(out, model, opt, config=cfg)
+    start = guard.global_step
+    second = train(guard, model, data)
+    return {"first": first, "second": second, "start": start}
+
+
 SCENARIOS = {
+    "fsdp_checkpoint": fsdp_checkpoint,
     "nan_on_rank1": nan_on_rank1,
     "toxic_on_rank2": toxic_on_rank2,
     "straggler": straggler,

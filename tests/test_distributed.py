@@ -119,3 +119,13 @@ def test_a_rank_killed_under_torchrun_restarts_and_resumes_where_it_was(tmp_path
     assert any(e["kind"] == "resume" and e["metrics"]["step"] == 30 for e in found)
     shards = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").glob("step-*/*"))
     assert "trainguard-rank0.json" in shards and "trainguard-rank1.json" in shards
+
+
+def test_fsdp2_checkpoints_are_sharded_and_resume_to_the_same_weights(tmp_path):
+    results = launch("fsdp_checkpoint", 2, tmp_path)
+    for r in results:
+        assert r["start"] == 10
+        assert r["second"] == pytest.approx(r["first"], rel=1e-6)
+    step = tmp_path / "checkpoints" / "step-10"
+    assert (step / "trainguard-rank0.json").is_file() and (step / "trainguard-rank1.json").is_file()
+    assert len(list(step.glob("*.distcp"))) == 2  # one shard file per rank

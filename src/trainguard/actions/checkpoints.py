@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
 
 from trainguard.actions.snapshots import rng_from_plain, rng_state, rng_to_plain, set_rng_state
 from trainguard.distributed.context import RankContext
@@ -137,6 +138,16 @@ class BufferStager(AsyncStager):
             return {k: self._walk(v, f"{key}.{k}", sources, targets) for k, v in value.items()}
         if not isinstance(value, torch.Tensor):
             return value
+        if isinstance(value, DTensor):  # stage this rank's shard, keep its place in the whole
+            local = self._walk(value.to_local(), key, sources, targets)
+            return DTensor.from_local(
+                local,
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
         src = value.detach()
         buffer = self.buffers.get(key)
         if buffer is None or buffer.shape != src.shape or buffer.dtype != src.dtype:
