@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
 
 from trainguard.events import EVENT_KINDS, ConfigError
 
@@ -160,6 +167,96 @@ class StragglerConfig(_Section):
     windows: int = Field(3, ge=1, description="Slow windows in a row before it is reported.")
 
 
+AlertChannel = Literal["webhook", "email", "console"]
+REMOTE_CHANNELS: tuple[AlertChannel, ...] = ("webhook", "email")
+MASK = "**********"  # how a secret is written out
+
+
+def _unmasked(value: SecretStr | None) -> SecretStr | None:
+    """A masked secret read back from a written config is no secret at all: unset."""
+    return None if value is not None and value.get_secret_value() == MASK else value
+
+
+class AlertRule(_Section):
+    """Which events go to which alert sinks."""
+
+    kinds: list[str] = Field(
+        default_factory=list, description="Event kinds this rule matches; empty matches all."
+    )
+    min_severity: Literal["info", "warning", "critical"] = "warning"
+    sinks: list[AlertChannel] = Field(
+        default_factory=lambda: list(REMOTE_CHANNELS),
+        description="Channels: webhook, email, console (the console prints incidents anyway).",
+    )
+
+    @field_validator("kinds")
+    @classmethod
+    def _known(cls, kinds: list[str]) -> list[str]:
+        unknown = sorted(set(kinds) - set(EVENT_KINDS) - {"loss_above_ema"})
+        if unknown:
+            raise ValueError(f"unknown event kinds {unknown}; known: {', '.join(EVENT_KINDS)}")
+        return kinds
+
+
+def _default_rules() -> list[AlertRule]:
+    """The seed's checks: NaN, gradient explosion, fp16 overflow storms (a collapsed scale is a
+    `nonfinite`), loss over 3 x its EMA; and anything critical, such as a halt."""
+    return [
+        AlertRule(kinds=["nonfinite", "grad_explosion", "loss_above_ema"], min_severity="warning"),
+        AlertRule(kinds=[], min_severity="critical"),
+    ]
+
+
+class WebhookConfig(_Section):
+    """A Slack-compatible (or plain JSON) webhook; the URL is a secret."""
+
+    url: SecretStr | None = Field(None, description="The URL; better given by `url_env`.")
+    url_env: str = Field(
+        "TRAINGUARD_WEBHOOK_URL", description="Environment variable holding the URL."
+    )
+    format: Literal["slack", "json"] = "slack"
+    timeout_s: float = Field(5.0, gt=0)
+
+    _url = field_validator("url")(classmethod(lambda cls, v: _unmasked(v)))
+
+
+class EmailConfig(_Section):
+    """Alerts by SMTP with STARTTLS and login; the password is a secret."""
+
+    host: str | None = None
+    port: int = Field(587, ge=1, le=65535)
+    starttls: bool = True
+    user: str | None = None
+    password: SecretStr | None = Field(None, description="Better given by `password_env`.")
+    password_env: str = "TRAINGUARD_SMTP_PASSWORD"
+    cafile: str | None = Field(None, description="CA bundle to verify the server (STARTTLS).")
+    sender: str = "trainguard@localhost"
+    to: list[str] = Field(default_factory=list)
+    timeout_s: float = Field(10.0, gt=0)
+
+    _password = field_validator("password")(classmethod(lambda cls, v: _unmasked(v)))
+
+
+class AlertsConfig(_Section):
+    """Alerts and metrics sinks: rules, deduplication, delivery, and where each sink goes."""
+
+    rules: list[AlertRule] = Field(default_factory=_default_rules)
+    interval_s: float = Field(
+        600.0, ge=0, description="The same kind at most once per this many seconds per sink."
+    )
+    loss_ema_ratio: float = Field(3.0, gt=1, description="The seed's loss over EMA alert.")
+    loss_ema_alpha: float = Field(0.01, gt=0, lt=1)
+    queue_size: int = Field(100, ge=1, description="Alerts waiting to be sent, at most.")
+    retries: int = Field(3, ge=0)
+    backoff_s: float = Field(1.0, ge=0, description="First retry delay; doubles each time.")
+    webhook: WebhookConfig = Field(default_factory=WebhookConfig)
+    email: EmailConfig = Field(default_factory=EmailConfig)
+    prometheus_port: int | None = Field(
+        None, ge=0, le=65535, description="Serve /metrics on this port; None is off."
+    )
+    tensorboard_dir: str | None = Field(None, description="Write TensorBoard events here.")
+
+
 class RecoveryConfig(_Section):
     """Known-good snapshots and rollback: how far back, how much LR, how much data to skip."""
 
@@ -271,6 +368,7 @@ class GuardConfig(_Section):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     diagnosis: DiagnosisConfig = Field(default_factory=DiagnosisConfig)
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
 
     @field_validator("group_patterns")
     @classmethod

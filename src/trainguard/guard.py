@@ -40,6 +40,7 @@ from trainguard.policy import StepPolicy
 from trainguard.signals import GradientStats, StepSignals
 from trainguard.signals.gradients import Measurement
 from trainguard.sinks import ConsoleSink, EventLog, MetricsLog, Sink
+from trainguard.sinks.factory import sinks_from_config
 
 MAX_BATCH_IDS = 64
 POSITIONS_KEPT = 8192  # steps whose data position is remembered, to map incidents to batches
@@ -130,6 +131,7 @@ class Guard:
         if self.config.console and leader:
             self.sinks.append(ConsoleSink())
         if leader:
+            self.sinks.extend(sinks_from_config(self.config.alerts, _report))
             self.sinks.extend(sinks)
         self.global_step = 0
         self.event_counts: dict[str, int] = {}
@@ -868,6 +870,16 @@ def _version() -> str:
     from trainguard import __version__
 
     return __version__
+
+
+def _report(message: str) -> None:
+    """A line about the guard's own outputs (an alert channel failing), on stderr."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True).print(
+        f"[yellow]trainguard:[/] {escape(message)}", highlight=False, soft_wrap=True
+    )
 
 
 def _origin_metrics(report: NonFiniteReport) -> dict[str, Any]:

@@ -1,0 +1,335 @@
+"""Alerts and metrics sinks against real services on localhost: a webhook server, an SMTP server
+with STARTTLS and login (aiosmtpd), a Prometheus scrape, TensorBoard files read back."""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+from trainguard.sinks.prometheus import PrometheusSink
+
+EXE = str(Path(sys.executable).with_name("trainguard"))
+SECRET_PATH = "/hooks/T000-SECRET-abc123"
+SECRET_PASSWORD = "PW-SECRET-xyz789"
+
+
+class Hook:
+    """A local webhook server that records JSON bodies and answers as told."""
+
+    def __init__(self, status: int = 200, delay_s: float = 0.0) -> None:
+        self.bodies: list[dict] = []
+        self.paths: list[str] = []
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", 0))
+                hook.bodies.append(json.loads(self.rfile.read(length)))
+                hook.paths.append(self.path)
+                time.sleep(delay_s)
+                self.send_response(status)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}{SECRET_PATH}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def train(config: dict, run_dir: Path | None, nan_at=(30, 31, 40), steps: int = 60) -> tg.Guard:
+    """A tiny guarded regression with NaN losses planted at `nan_at`."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    cfg = tg.GuardConfig.from_dict({"console": False, **config})
+    guard = tg.Guard(model, opt, config=cfg, run_dir=run_dir)
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(16, 8, generator=g)
+        loss = nn.functional.mse_loss(model(x), x[:, :1])
+        if step in nan_at:
+            loss = loss * float("nan")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        guard.step(loss)
+    guard.close()
+    return guard
+
+
+def test_a_webhook_gets_one_alert_per_kind_and_a_summary_of_the_rest(tmp_path):
+    hook = Hook()
+    try:
+        train({"alerts": {"webhook": {"url": hook.url}}}, tmp_path)
+    finally:
+        hook.close()
+    texts = [b["text"] for b in hook.bodies]
+    assert len(texts) == 2, texts
+    assert "nonfinite at step 30" in texts[0] and texts[0].startswith("*trainguard critical*")
+    assert "2 more nonfinite alert(s) held back" in texts[1]
+
+
+def test_plain_json_webhooks_and_the_rules_decide_what_goes(tmp_path):
+    hook = Hook()
+    config = {
+        "alerts": {
+            "webhook": {"url": hook.url, "format": "json"},
+            "interval_s": 0,
+            "rules": [{"kinds": ["nonfinite"], "min_severity": "critical"}],
+        }
+    }
+    try:
+        train(config, None, nan_at=(30, 40))
+    finally:
+        hook.close()
+    assert [(b["kind"], b["step"]) for b in hook.bodies] == [("nonfinite", 30), ("nonfinite", 40)]
+    assert hook.bodies[0]["figures"]["loss"] == "nan"
+
+
+@pytest.mark.parametrize(
+    ("status", "delay", "why"), [(500, 0.0, "HTTP 500"), (200, 3.0, "timed out")]
+)
+def test_a_failing_or_hanging_webhook_is_reported_once_and_never_stops_training(
+    capfd, status, delay, why
+):
+    hook = Hook(status=status, delay_s=delay)
+    config = {
+        "alerts": {
+            "webhook": {"url": hook.url, "timeout_s": 0.3},
+            "interval_s": 0,
+            "retries": 1,
+            "backoff_s": 0.01,
+        }
+    }
+    start = time.perf_counter()
+    try:
+        guard = train(config, None, nan_at=(30, 35, 40, 45))
+    finally:
+        hook.close()
+    assert time.perf_counter() - start < 30  # close() waits a bounded time, never for the hook
+    assert guard.action_counts["skip"] == 4 and guard.global_step == 60
+    err = capfd.readouterr().err
+    assert err.count("webhook alerts are failing") == 1 and why in err
+    assert SECRET_PATH not in err
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tls")
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+            "-keyout",
+            str(folder / "key.pem"),
+            "-out",
+            str(folder / "cert.pem"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return folder / "cert.pem", folder / "key.pem"
+
+
+class Mailbox:
+    """aiosmtpd on localhost: STARTTLS required, AUTH LOGIN/PLAIN checked against a password."""
+
+    def __init__(self, cert: Path, key: Path) -> None:
+        from aiosmtpd.controller import Controller
+        from aiosmtpd.smtp import AuthResult
+
+        self.messages: list[str] = []
+        self.logins: list[tuple[str, bool]] = []
+        box = self
+
+        class Handler:
+            async def handle_DATA(self, server, session, envelope):
+                box.messages.append(envelope.content.decode())
+                return "250 OK"
+
+        def authenticator(server, session, envelope, mechanism, auth_data):
+            ok = auth_data.password.decode() == SECRET_PASSWORD
+            box.logins.append((auth_data.login.decode(), ok))
+            return AuthResult(success=ok)
+
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(str(cert), str(key))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.controller = Controller(
+            Handler(),
+            hostname="127.0.0.1",
+            port=self.port,
+            tls_context=context,
+            require_starttls=True,
+            authenticator=authenticator,
+            auth_required=True,
+        )
+        self.controller.start()
+
+
+def test_email_alerts_go_through_starttls_and_login(tmp_path, certificate):
+    cert, key = certificate
+    box = Mailbox(cert, key)
+    email = {
+        "host": "localhost",
+        "port": box.port,
+        "user": "ops",
+        "password": SECRET_PASSWORD,
+        "to": ["oncall@example.com"],
+        "cafile": str(cert),
+    }
+    try:
+        train({"alerts": {"email": email}}, tmp_path, nan_at=(30,))
+    finally:
+        box.controller.stop()
+    assert box.logins == [("ops", True)]
+    assert len(box.messages) == 1 and "nonfinite at step 30" in box.messages[0]
+    assert "Subject: [trainguard critical]" in box.messages[0]
+
+
+def test_a_refused_login_is_reported_without_the_password(certificate):
+    from trainguard.config import AlertsConfig, EmailConfig
+    from trainguard.sinks.alerts import AlertSink, EmailChannel
+
+    cert, key = certificate
+    box = Mailbox(cert, key)
+    email = EmailConfig(
+        host="localhost", port=box.port, user="ops", to=["oncall@example.com"], cafile=str(cert)
+    )
+    reports: list[str] = []
+    sink = AlertSink(
+        AlertsConfig(retries=0, email=email),
+        [EmailChannel(email, "wrong-" + SECRET_PASSWORD)],
+        reports.append,
+    )
+    try:
+        sink.on_event(tg.Event(step=3, kind="nonfinite", severity="critical", message="nan"))
+        delivery = sink.deliveries["email"]
+        deadline = time.monotonic() + 60
+        while delivery.failed == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sink.close()
+    finally:
+        box.controller.stop()
+    assert box.logins == [("ops", False)]
+    assert len(reports) == 1 and reports[0].startswith("email alerts are failing (SMTP")
+    assert SECRET_PASSWORD not in reports[0]
+
+
+def test_secrets_never_reach_a_file_or_the_console(tmp_path, monkeypatch, capfd):
+    hook = Hook(status=500)
+    monkeypatch.setenv("TRAINGUARD_WEBHOOK_URL", hook.url)
+    config = {
+        "alerts": {
+            "retries": 0,
+            "email": {
+                "host": "127.0.0.1",
+                "port": 9,
+                "user": "ops",
+                "password": SECRET_PASSWORD,
+                "to": ["x@example.com"],
+                "timeout_s": 0.5,
+            },
+        }
+    }
+    try:
+        train(config, tmp_path / "run")
+    finally:
+        hook.close()
+    assert hook.paths and hook.paths[0] == SECRET_PATH  # the URL came from the environment
+    report = subprocess.run(
+        [EXE, "report", str(tmp_path / "run"), "-o", str(tmp_path / "r.html")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert report.returncode == 0, report.stderr
+    config_back = tg.GuardConfig.load(tmp_path / "run" / "config.json")
+    assert config_back.alerts.email.password is None  # the mask is not taken for a password
+    outputs = [p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file()]
+    captured = capfd.readouterr()
+    outputs += [captured.out, captured.err, report.stdout, report.stderr]
+    for secret in (SECRET_PATH, "abc123", SECRET_PASSWORD):
+        assert not any(secret in text for text in outputs), secret
+
+
+def test_prometheus_endpoint_is_scraped_with_the_runs_figures(tmp_path):
+    torch.manual_seed(0)
+    guard = train({"alerts": {"prometheus_port": 0}}, None, nan_at=(30, 40))
+    sink = next(s for s in guard.sinks if isinstance(s, PrometheusSink))
+    # closed with the run: scrape a fresh one fed the same way
+    live = PrometheusSink(0, addr="127.0.0.1")
+    try:
+        live.on_metrics(
+            {
+                "step": 10,
+                "elapsed_s": 1.0,
+                "loss": 2.5,
+                "grad_norm": 0.7,
+                "lr": 3e-4,
+                "action": "step",
+            }
+        )
+        live.on_metrics(
+            {
+                "step": 20,
+                "elapsed_s": 2.0,
+                "loss": 2.4,
+                "grad_norm": 0.6,
+                "lr": 3e-4,
+                "action": "skip",
+            }
+        )
+        live.on_event(tg.Event(step=20, kind="nonfinite", severity="critical", message="nan"))
+        text = httpx.get(f"http://127.0.0.1:{live.port}/metrics", timeout=5).text
+    finally:
+        live.close()
+    assert "trainguard_loss 2.4" in text and "trainguard_steps_per_second 10.0" in text
+    assert 'trainguard_incidents_total{kind="nonfinite"} 1.0' in text
+    assert "trainguard_skips_total 1.0" in text
+    assert sink.skips._value.get() == 2.0  # the run's own sink counted its two skips
+
+
+def test_tensorboard_scalars_histograms_and_incidents_read_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train({"alerts": {"tensorboard_dir": str(tmp_path / "tb")}}, None, nan_at=(30,))
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    assert len(acc.Scalars("train/loss")) == 59  # the NaN step is not drawn as a point
+    assert "grad_norm/groups" in tags["histograms"]
+    assert any(t.startswith("grad_norm_group/") for t in tags["scalars"])
+    texts = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("incidents/text_summary")]
+    assert any("nonfinite" in t for t in texts)
