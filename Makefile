@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/analyze.py
 	$(BIN)/python benchmarks/curves.py
 	$(BIN)/python benchmarks/distributed.py
+	$(BIN)/python benchmarks/alerts.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -333,3 +333,104 @@ def test_tensorboard_scalars_histograms_and_incidents_read_back(tmp_path):
     assert any(t.startswith("grad_norm_group/") for t in tags["scalars"])
     texts = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("incidents/text_summary")]
     assert any("nonfinite" in t for t in texts)
+
+
+def test_the_console_keeps_a_live_status_line_with_health_and_eta():
+    import io
+
+    from rich.console import Console
+
+    from trainguard.sinks import ConsoleSink
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=140, color_system="standard")
+    sink = ConsoleSink(console, status=True, total_steps=200)
+    sink.on_metrics({"step": 10, "loss": 2.5, "grad_norm": 0.75, "lr": 3e-4, "action": "step"})
+    assert "step 10" in sink.status({"step": 10, "loss": 2.5, "grad_norm": 0.75})
+    assert "[green]" in sink.status({"step": 10, "loss": 2.5})
+    sink.on_event(
+        tg.Event(step=11, kind="nonfinite", severity="critical", message="the loss is nan")
+    )
+    line = sink.status({"step": 12, "loss": float("nan"), "action": "skip"})
+    assert "[red]" in line and "skip" in line
+    assert "[green]" in sink.status({"step": 11 + 100, "loss": 2.0})  # health returns
+    sink.on_metrics({"step": 12, "loss": 2.4, "grad_norm": 0.7, "action": "skip"})
+    sink.close()
+    text = out.getvalue()
+    assert "trainguard step 11 CRITICAL nonfinite" in text and "13/200" in text
+
+
+def test_weights_and_biases_in_offline_mode(tmp_path, monkeypatch):
+    from trainguard.sinks.wandb_sink import WandbSink
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sink = WandbSink(project="tg-test", mode="offline", directory=str(tmp_path))
+    for step in range(20):
+        sink.on_metrics(
+            {
+                "step": step,
+                "loss": 3.0 - step * 0.01,
+                "grad_norm": 0.5,
+                "group_grad_norms": {"blocks.0": 0.3},
+            }
+        )
+    sink.on_event(tg.Event(step=12, kind="nonfinite", severity="critical", message="nan"))
+    sink.on_event(tg.Event(step=13, kind="stall", severity="info", message="flat"))
+    summary = sink.run.summary
+    assert summary["incidents/nonfinite"] == 1 and sink.counts == {"nonfinite": 1}
+    # W&B commits a step's row when the next step is logged: the summary holds step 18 or 19
+    assert summary["train/loss"] == pytest.approx(2.81, abs=0.011)
+    assert summary["grad_norm_group/blocks.0"] == pytest.approx(0.3)
+    sink.close()
+    (run,) = list((tmp_path / "wandb").glob("offline-run-*"))
+    (log,) = list(run.glob("*.wandb"))  # the run's log, for a later `wandb sync`
+    assert log.stat().st_size > 1000
+
+
+class Recorder:
+    """A channel that keeps what it was sent."""
+
+    name = "webhook"
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, alert) -> None:
+        self.sent.append(alert)
+
+
+def test_deduplication_by_kind_and_interval_and_a_note_when_a_rollback_resolves_it():
+    from trainguard.config import AlertsConfig
+    from trainguard.sinks.alerts import AlertSink
+
+    now = [0.0]
+    channel = Recorder()
+    sink = AlertSink(AlertsConfig(interval_s=60), [channel], print, clock=lambda: now[0])
+
+    def event(step: int, kind: str = "nonfinite", severity: str = "critical") -> tg.Event:
+        return tg.Event(step=step, kind=kind, severity=severity, message=f"{kind} {step}")
+
+    sink.on_event(event(10))
+    now[0] = 30.0
+    sink.on_event(event(11))  # held back: the same kind within the interval
+    sink.on_event(event(12, "grad_explosion", "warning"))  # another kind goes
+    sink.on_event(event(13, "stall", "info"))  # no rule matches it
+    now[0] = 75.0
+    sink.on_event(event(14))  # the interval is over: sent, with the count held back
+    sink.on_event(tg.Event(step=15, kind="rollback", severity="warning", message="back to 0"))
+    for step in range(20, 23):  # the seed's check: loss over 3 x its EMA
+        sink.on_metrics({"step": step, "loss": 1.0})
+    sink.on_metrics({"step": 5, "loss": 1.0})
+    for step in range(30, 60):
+        sink.on_metrics({"step": step, "loss": 1.0})
+    sink.on_metrics({"step": 60, "loss": 5.0})
+    sink.close()
+    got = [(a.kind, a.step, a.held_back) for a in channel.sent]
+    assert got[:5] == [
+        ("nonfinite", 10, 0),
+        ("grad_explosion", 12, 0),
+        ("nonfinite", 14, 1),
+        ("resolved", 15, 0),
+        ("loss_above_ema", 60, 0),
+    ]
+    assert "resolved after rollback at step 15" in channel.sent[3].title

@@ -255,6 +255,10 @@ class AlertsConfig(_Section):
         None, ge=0, le=65535, description="Serve /metrics on this port; None is off."
     )
     tensorboard_dir: str | None = Field(None, description="Write TensorBoard events here.")
+    wandb_project: str | None = Field(
+        None, description="Log to this Weights & Biases project (trainguard[wandb]); None is off."
+    )
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
 
 
 class RecoveryConfig(_Section):
@@ -350,6 +354,11 @@ class GuardConfig(_Section):
     )
     log_every: int = Field(1, ge=1, description="Steps between lines of metrics.jsonl.")
     console: bool = Field(True, description="Print warnings and incidents on the console.")
+    console_status: bool = Field(
+        True,
+        description="A live status line (and a progress bar with ETA when "
+        "diagnosis.total_steps is set) while the console is a terminal.",
+    )
     group_patterns: list[str] = Field(
         default_factory=lambda: list(DEFAULT_GROUP_PATTERNS),
         description="Regexes over parameter names; the first match names the layer group.",

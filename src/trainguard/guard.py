@@ -129,7 +129,12 @@ class Guard:
             ]
             (self.run_dir / "config.json").write_text(self.config.to_json() + "\n")
         if self.config.console and leader:
-            self.sinks.append(ConsoleSink())
+            self.sinks.append(
+                ConsoleSink(
+                    status=self.config.console_status,
+                    total_steps=self.config.diagnosis.total_steps,
+                )
+            )
         if leader:
             self.sinks.extend(sinks_from_config(self.config.alerts, _report))
             self.sinks.extend(sinks)

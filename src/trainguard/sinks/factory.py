@@ -12,7 +12,8 @@ from trainguard.sinks.base import Sink
 
 def sinks_from_config(config: AlertsConfig, report: Callable[[str], None]) -> list[Sink]:
     """Webhook (when a URL is configured or in its environment variable), email (when a host
-    is), console alerts, Prometheus (when a port is) and TensorBoard (when a directory is)."""
+    is), console alerts (when a rule names them), Prometheus (when a port is), TensorBoard
+    (when a directory is) and Weights & Biases (when a project is)."""
     channels: list[Channel] = []
     url = config.webhook.url.get_secret_value() if config.webhook.url else None
     url = url or os.environ.get(config.webhook.url_env) or None
@@ -38,4 +39,8 @@ def sinks_from_config(config: AlertsConfig, report: Callable[[str], None]) -> li
         from trainguard.sinks.tensorboard import TensorBoardSink
 
         sinks.append(TensorBoardSink(config.tensorboard_dir))
+    if config.wandb_project is not None:
+        from trainguard.sinks.wandb_sink import WandbSink
+
+        sinks.append(WandbSink(config.wandb_project, config.wandb_mode))
     return sinks
