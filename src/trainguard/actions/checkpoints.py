@@ -343,6 +343,19 @@ class CheckpointStore:
         return None
 
 
+def _split_optimizer_state(
+    state: dict[Any, dict[str, Any]],
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Per-parameter optimizer state in two: its tensors (for DCP) and the rest (for JSON)."""
+    tensors: dict[str, dict[str, Any]] = {}
+    plain: dict[str, dict[str, Any]] = {}
+    for pid, values in state.items():
+        for key, value in values.items():
+            target = tensors if isinstance(value, torch.Tensor) else plain
+            target.setdefault(str(pid), {})[key] = value
+    return tensors, plain
+
+
 def plain_name(rank: int | None) -> str:
     """The file of a rank's plain state in a checkpoint (one file without ranks)."""
     return PLAIN_STATE if rank is None else f"trainguard-rank{rank}.json"
@@ -358,12 +371,7 @@ def sharded_training_state(
 
     both: Any = get_state_dict(model, optimizer)
     model_sd, optim_sd = both
-    opt_tensors: dict[str, dict[str, Any]] = {}
-    opt_plain: dict[str, dict[str, Any]] = {}
-    for name, values in optim_sd["state"].items():
-        for key, value in values.items():
-            target = opt_tensors if isinstance(value, torch.Tensor) else opt_plain
-            target.setdefault(str(name), {})[key] = value
+    opt_tensors, opt_plain = _split_optimizer_state(optim_sd["state"])
     rng = rng_state()
     own: dict[str, Any] = {"torch": rng["torch"]}
     if "cuda" in rng:
@@ -433,12 +441,7 @@ def training_state(
     random states) and plain JSON-ready data (hyperparameters, scheduler, scaler, Python and
     NumPy random states)."""
     opt = optimizer.state_dict()
-    opt_tensors: dict[str, dict[str, torch.Tensor]] = {}
-    opt_plain: dict[str, dict[str, Any]] = {}
-    for pid, values in opt["state"].items():
-        for key, value in values.items():
-            target = opt_tensors if isinstance(value, torch.Tensor) else opt_plain
-            target.setdefault(str(pid), {})[key] = value
+    opt_tensors, opt_plain = _split_optimizer_state(opt["state"])
     rng = rng_state()
     tensors: dict[str, Any] = {
         "model": model.state_dict(),

@@ -27,6 +27,18 @@ def _finite_grad(point: MetricPoint) -> float | None:
     return g if g is not None and math.isfinite(g) and point.nonfinite_grads == 0 else None
 
 
+def _grad_chunk(series: MetricSeries, start: int) -> tuple[np.ndarray, np.ndarray] | int:
+    """The finite grad norms of the chunk at `start` for a bulk `advance`, or where to stop:
+    `start` when layer-group norms need `update` step by step, the chunk's end when the
+    series has no grad norm there."""
+    if series.has_groups:
+        return start
+    idx, g = series.finite_grads(start)
+    if series.grad_norm is None or len(g) == 0:
+        return series.chunk_end(start)
+    return idx, g
+
+
 DEPARTURE = 3.0  # a group whose norm passes this x its own average has left its history
 
 
@@ -119,12 +131,11 @@ class GradSpikeDetector(Detector):
         return [self.event(point, "warning", message, metrics)]
 
     def advance(self, series: MetricSeries, start: int) -> int:
-        if series.has_groups:
-            return start
+        chunk = _grad_chunk(series, start)
+        if isinstance(chunk, int):
+            return chunk
+        idx, g = chunk
         cfg = self.config
-        idx, g = series.finite_grads(start)
-        if series.grad_norm is None or len(g) == 0:
-            return series.chunk_end(start)
         held = len(self.window)
         v = np.concatenate((np.asarray(self.window, dtype=np.float64), g))
         base = trailing_means(v, held, cfg.window)
@@ -192,12 +203,11 @@ class GradExplosionDetector(Detector):
         return [self.event(point, severity, message, metrics)]
 
     def advance(self, series: MetricSeries, start: int) -> int:
-        if series.has_groups:
-            return start
+        chunk = _grad_chunk(series, start)
+        if isinstance(chunk, int):
+            return chunk
+        idx, g = chunk
         cfg = self.config
-        idx, g = series.finite_grads(start)
-        if series.grad_norm is None or len(g) == 0:
-            return series.chunk_end(start)
         n = cfg.growth_steps + 1
         held = len(self.history)
         v = np.concatenate((np.asarray(self.history, dtype=np.float64), g))
