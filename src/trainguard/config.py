@@ -261,6 +261,18 @@ class AlertsConfig(_Section):
     wandb_mode: Literal["online", "offline", "disabled"] = "online"
 
 
+class RoutingConfig(_Section):
+    """A mixture-of-experts router collapsing onto a few experts."""
+
+    enabled: bool = True
+    reference_steps: int = Field(20, ge=1, description="Steps that set the early entropy.")
+    entropy_fraction: float = Field(
+        0.5, gt=0, lt=1, description="Entropy under this fraction of its early level."
+    )
+    max_share: float = Field(0.6, gt=0, le=1, description="One expert's share of the tokens.")
+    patience: int = Field(5, ge=1)
+
+
 class RecoveryConfig(_Section):
     """Known-good snapshots and rollback: how far back, how much LR, how much data to skip."""
 
@@ -374,6 +386,7 @@ class GuardConfig(_Section):
     health: HealthConfig = Field(default_factory=HealthConfig)
     ranks: RanksConfig = Field(default_factory=RanksConfig)
     straggler: StragglerConfig = Field(default_factory=StragglerConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     diagnosis: DiagnosisConfig = Field(default_factory=DiagnosisConfig)

@@ -27,6 +27,7 @@ EVENT_KINDS: tuple[str, ...] = (
     "health",
     "rank_outlier",
     "straggler",
+    "routing_collapse",
     "lint",
     "rollback",
     "lr_reduced",

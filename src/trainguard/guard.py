@@ -36,6 +36,7 @@ from trainguard.distributed import (
     local_grad_norm_hook,
 )
 from trainguard.events import Decision, Event, TrainguardError, TrainingHalted, _json_number
+from trainguard.moe.routing import RoutingStats
 from trainguard.policy import StepPolicy
 from trainguard.signals import GradientStats, StepSignals
 from trainguard.signals.gradients import Measurement
@@ -157,6 +158,7 @@ class Guard:
         replay: Callable[[], torch.Tensor] | None = None,
         per_sample_losses: torch.Tensor | Callable[[], torch.Tensor] | None = None,
         sample_text: Sequence[str] | None = None,
+        routing: RoutingStats | None = None,
     ) -> Decision:
         """Measure this step's gradients after `loss.backward()`, run the detectors, and step,
         skip or halt (raising `TrainingHalted`); with a GradScaler pass the unscaled loss.
@@ -164,7 +166,8 @@ class Guard:
         `replay`, a closure that recomputes this step's loss, lets the guard trace where NaN/Inf
         first appeared; `per_sample_losses` (one per sample, left on the device and read only
         on a spike; or a closure computing them, called only on a spike) and `sample_text` let
-        it name the samples behind a loss spike."""
+        it name the samples behind a loss spike; `routing` (`trainguard.moe.routing_stats`)
+        feeds the routing-collapse detector."""
         if self.stats is None or self.actions is None or self.optimizer is None:
             raise TrainguardError(
                 "guard.step needs an optimizer: build Guard(model, optimizer, ...), "
@@ -180,6 +183,8 @@ class Guard:
         self.actions.clip(measurement.grads, measurement.total_norm)
         signals = self.stats.resolve(measurement)
         point = _point_from_signals(step, signals)
+        if routing is not None:
+            point.routing = routing.to_point()
         if self.exchange is not None:
             _add_rank_figures(point, signals.extra, self.exchange.context.world_size)
         decision = self._decide(point, batch_ids, can_roll_back=bool(self.ring.snapshots))
@@ -639,6 +644,8 @@ class Guard:
                 record["group_update_ratios"] = signals.group_update_ratios
         elif point.group_grad_norms:
             record["group_grad_norms"] = point.group_grad_norms
+        if point.routing is not None:
+            record["routing"] = point.routing
         if point.rank_losses is not None:
             record["ranks"] = {
                 "loss": point.rank_losses,

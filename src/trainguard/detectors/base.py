@@ -32,6 +32,7 @@ class MetricPoint:
     rank_grad_norms: list[float] | None = None
     rank_step_times: list[float] | None = None  # data wait + compute up to the first reduction
     rank_data_waits: list[float] | None = None
+    routing: dict[str, float] | None = None  # a MoE router's health (`RoutingStats.to_point`)
 
     @property
     def loss_finite(self) -> bool:

@@ -15,6 +15,7 @@ from trainguard.detectors.health import HealthThresholdDetector
 from trainguard.detectors.loss_spike import LossSpikeDetector
 from trainguard.detectors.nonfinite import NonFiniteDetector
 from trainguard.detectors.ranks import RankOutlierDetector, StragglerDetector
+from trainguard.detectors.routing import RoutingCollapseDetector
 from trainguard.detectors.series import MAX_SPAN, MIN_SPAN, MetricSeries
 from trainguard.detectors.trends import DivergenceDetector, OscillationDetector, StallDetector
 from trainguard.events import Event
@@ -37,6 +38,7 @@ class DetectorSuite:
             (cfg.health.enabled, HealthThresholdDetector(cfg.health)),
             (cfg.ranks.enabled, RankOutlierDetector(cfg.ranks)),
             (cfg.straggler.enabled, StragglerDetector(cfg.straggler)),
+            (cfg.routing.enabled, RoutingCollapseDetector(cfg.routing)),
         ]
         detectors.extend(d for enabled, d in optional if enabled)
         self.detectors = detectors

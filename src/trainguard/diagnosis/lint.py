@@ -77,7 +77,8 @@ def lint(
                 "no-clipping",
                 "warning",
                 "gradients are not clipped: one bad batch can move the weights arbitrarily far",
-                "clip the global gradient norm at 1.0 (GuardConfig.max_grad_norm=1.0)",
+                "clip the global gradient norm at 1.0 (GuardConfig.max_grad_norm=1.0), or adapt "
+                "the threshold with trainguard.fixes.AdaptiveClipper",
             )
         )
     findings += _post_ln(model)
@@ -124,7 +125,8 @@ def _schedule(
                 "no-warmup",
                 "warning",
                 f"the LR starts at {lrs[0]:.3g}, already near its peak {peak:.3g}: no warmup",
-                "warm the LR up linearly from 0 over 1-5% of the steps (e.g. with LambdaLR)",
+                "warm the LR up linearly from 0 over 1-5% of the steps "
+                "(trainguard.fixes.WarmupCosineRestarts)",
             )
         )
     elif total and warmup < 0.01 * total:
@@ -221,7 +223,8 @@ def _post_ln(model: nn.Module) -> list[Finding]:
                 "warning",
                 f"{len(post)} post-LN transformer layers: beyond 24, post-LN diverges without "
                 "DeepNorm's residual scaling",
-                "use pre-LN (norm_first=True), or DeepNorm's residual scaling and init",
+                "use pre-LN (norm_first=True), or DeepNorm: trainguard.fixes.DeepNormResidual "
+                "with deepnorm_init_",
             )
         ]
     return []
@@ -264,7 +267,8 @@ def _init(model: nn.Module, n_layers: int) -> list[Finding]:
                     "init-std",
                     "info",
                     f"the typical weight std at init is {typical:.3g}, far from 0.02",
-                    "initialise weights and embeddings with normal(0, 0.02)",
+                    "initialise weights and embeddings with normal(0, 0.02): "
+                    "trainguard.fixes.scaled_init_(model, n_layers)",
                 )
             )
     if n_layers:
@@ -282,7 +286,8 @@ def _init(model: nn.Module, n_layers: int) -> list[Finding]:
                     f"{len(unscaled)} residual output projection(s) not scaled by "
                     f"1/sqrt(2 x {n_layers} layers) (std over {1.5 * expected:.3g}): "
                     + ", ".join(unscaled[:5]),
-                    f"initialise them with std 0.02/sqrt(2 x {n_layers}) = {expected:.3g}",
+                    f"initialise them with std 0.02/sqrt(2 x {n_layers}) = {expected:.3g}: "
+                    f"trainguard.fixes.scaled_init_(model, n_layers={n_layers})",
                 )
             )
     biased = [
