@@ -129,6 +129,18 @@ def test_adaptive_clipping_follows_recent_norms_within_bounds():
     assert torch.isfinite(clip.history[~torch.isnan(clip.history)]).all()
 
 
+def test_adaptive_clipping_by_an_ema_of_the_norms():
+    p = nn.Parameter(torch.zeros(4))
+    clip = AdaptiveClipper(ema=0.5, factor=2.0, window=8, warmup=2, min_norm=0.1, max_norm=50.0)
+    for norm in (1.0, 3.0, 5.0):
+        p.grad = torch.tensor([norm, 0.0, 0.0, 0.0])
+        clip.clip_(p)
+    assert clip.history[2].item() == pytest.approx(3.5)  # EMA: 1 -> 2 -> 3.5
+    p.grad = torch.tensor([100.0, 0.0, 0.0, 0.0])
+    _, threshold = clip.clip_(p)
+    assert threshold.item() == pytest.approx(7.0) and p.grad.norm().item() == pytest.approx(7.0)
+
+
 def test_agc_clips_each_unit_by_its_weight_norm():
     w = nn.Parameter(torch.tensor([[3.0, 4.0], [0.3, 0.4]]))  # unit norms 5 and 0.5
     w.grad = torch.tensor([[1.0, 0.0], [0.0, 0.001]])

@@ -57,11 +57,10 @@ class AdaptiveClipper:
             self.history = torch.full((self.window,), float("nan"), device=device)
         threshold = torch.tensor(self.max_norm, device=device)
         if self.count >= self.warmup:
-            seen = self.history[~torch.isnan(self.history)]
             level = (
                 self.history[(self.count - 1) % self.window]
                 if self.ema is not None
-                else torch.quantile(seen, self.quantile)
+                else torch.nanquantile(self.history, self.quantile)
             )
             threshold = (self.factor * level).clamp(self.min_norm, self.max_norm)
         coef = (threshold / (norm + 1e-6)).clamp(max=1.0)
