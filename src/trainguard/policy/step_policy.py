@@ -41,6 +41,9 @@ class StepPolicy:
             or not point.loss_finite
             or (not point.grads_finite and not point.overflow)
         )
+        halting = [e for e in events if e.kind in cfg.halt_on]
+        if halting:  # the user's halt list wins over every other rule
+            return self._halt(point, events, f"{halting[0].kind}: {halting[0].message}")
         if nonfinite:
             self.consecutive_nonfinite += 1
             self.nonfinite_steps.append(step)
@@ -67,9 +70,6 @@ class StepPolicy:
         self.consecutive_nonfinite = 0
         if point.overflow:
             return self._decide(point, events, "skip", "fp16 overflow: the scaler skipped it")
-        halting = [e for e in events if e.kind in cfg.halt_on]
-        if halting:
-            return self._halt(point, events, f"{halting[0].kind}: {halting[0].message}")
         if rec.enabled and can_roll_back:
             decision = self._recovery(point, events)
             if decision is not None:

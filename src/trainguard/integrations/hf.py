@@ -1,0 +1,115 @@
+"""`TrainguardCallback` for the Hugging Face `Trainer`: the guard decides every optimizer step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from trainguard.config import GuardConfig
+from trainguard.events import TrainguardError, TrainingHalted
+from trainguard.guard import Guard
+
+
+class TrainguardCallback(TrainerCallback):
+    """Puts a `Guard` between the Trainer and its optimizer: each optimizer step is measured,
+    judged and taken, skipped (non-finite gradients, spikes) or rolled back (model and
+    optimizer state; the Trainer's data order goes on), with `events.jsonl` and
+    `metrics.jsonl` in `run_dir` (default `<output_dir>/trainguard`); a halt stops training
+    with the diagnosis in `halted`.
+
+    Clipping: with `take_over_clipping` (the default) the guard clips at the Trainer's
+    `max_grad_norm` and the Trainer's own clipping is turned off, so the guard sees the
+    gradient norm before clipping; otherwise the Trainer clips first and the guard only
+    watches the clipped norm."""
+
+    def __init__(
+        self,
+        config: GuardConfig | None = None,
+        run_dir: str | Path | None = None,
+        take_over_clipping: bool = True,
+    ) -> None:
+        self.config = config or GuardConfig()
+        self.run_dir = run_dir
+        self.take_over_clipping = take_over_clipping
+        self.guard: Guard | None = None
+        self.halted: TrainingHalted | None = None
+        self._losses: list[torch.Tensor] = []
+        self._hook: Any = None
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if model is None or optimizer is None:
+            raise TrainguardError("TrainguardCallback needs the Trainer's model and optimizer")
+        inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate wraps the optimizer
+        config = self.config
+        if self.take_over_clipping:
+            norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+            config = config.model_copy(update={"max_grad_norm": norm})
+            args.max_grad_norm = 0.0  # the guard clips, after measuring
+        run_dir = (
+            self.run_dir if self.run_dir is not None else Path(args.output_dir or ".", "trainguard")
+        )
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.guard = Guard(model, inner, config=config, run_dir=run_dir)
+        self._hook = model.register_forward_hook(self._capture)
+        callback = self
+
+        def guarded_step(*step_args: Any, **step_kwargs: Any) -> None:
+            callback._step()
+            for opt in (optimizer, inner):  # what torch's LR scheduler checks was stepped
+                opt._opt_called = True
+
+        # torch's LR scheduler checks that optimizer.step is still its counting wrapper: it is
+        # replaced on purpose, and the real step is taken inside the guard
+        guarded_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        optimizer.step = guarded_step  # the Trainer calls this once per optimizer step
+
+    def _capture(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if not module.training:
+            return
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, dict):
+            loss = output.get("loss")
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._losses.append(loss.detach())
+
+    def _step(self) -> None:
+        assert self.guard is not None
+        if self.halted is not None:
+            return
+        if not self._losses:
+            raise TrainguardError(
+                "TrainguardCallback saw no loss: the model's forward must return one "
+                "(an output with .loss, as Hugging Face models do when given labels)"
+            )
+        loss = torch.stack(self._losses).mean()  # the micro-batches of this optimizer step
+        self._losses = []
+        try:
+            self.guard.step(loss)
+        except TrainingHalted as exc:
+            self.halted = exc
+
+    def on_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.halted is not None:
+            control.should_training_stop = True
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.guard is not None and self.halted is None:
+            self.guard.close()

@@ -1,0 +1,211 @@
+"""Integrations: the Hugging Face Trainer callback and Accelerate, on tiny random models with a
+planted NaN and a planted toxic batch: the same outcomes as the plain loop."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+from torch import nn
+
+import trainguard as tg
+from trainguard.demo import MarkovCorpus
+
+NAN_CALL, TOXIC_CALL = 30, 45  # forward calls (one per optimizer step here)
+
+
+class Faults:
+    """A forward hook that makes the loss NaN on one call and 20x on another."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, module: nn.Module, inputs: object, output: object) -> object:
+        if not module.training:
+            return output
+        self.calls += 1
+        loss = output.loss  # type: ignore[attr-defined]
+        if self.calls == NAN_CALL:
+            output.loss = loss * float("nan")  # type: ignore[attr-defined]
+        elif self.calls == TOXIC_CALL:
+            output.loss = loss * 20.0  # type: ignore[attr-defined]
+        return output
+
+
+def tiny_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    return GPT2LMHeadModel(config)
+
+
+def samples(n: int) -> list[dict[str, torch.Tensor]]:
+    corpus = MarkovCorpus(vocab_size=64, length=50_000)
+    out = []
+    for batch in corpus.batches(1, 24, n, seed=3):
+        ids = batch.x[0]
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def events(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_hf_trainer_callback_skips_the_nan_and_the_toxic_step(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from trainguard.integrations.hf import TrainguardCallback
+
+    model = tiny_gpt2()
+    model.register_forward_hook(Faults())
+    callback = TrainguardCallback(tg.GuardConfig(console=False))
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=70,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        max_grad_norm=1.0,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1000,
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=samples(70 * 8), callbacks=[callback])
+    trainer.train()
+    guard = callback.guard
+    assert guard is not None and trainer.state.global_step == 70
+    assert args.max_grad_norm == 0.0 and guard.config.max_grad_norm == 1.0  # taken over
+    found = events(tmp_path / "trainguard" / "events.jsonl")
+    nonfinite = [e for e in found if e["kind"] == "nonfinite"]
+    spikes = [e for e in found if e["kind"] == "loss_spike"]
+    assert [e["step"] for e in nonfinite] == [NAN_CALL - 1]
+    assert [e["step"] for e in spikes] == [TOXIC_CALL - 1]
+    assert nonfinite[0]["action"] == "skip" and spikes[0]["action"] == "skip"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    metrics = (tmp_path / "trainguard" / "metrics.jsonl").read_text().splitlines()
+    assert len(metrics) == 70 and math.isfinite(json.loads(metrics[-1])["loss"])
+
+
+def test_the_plain_guard_works_with_an_accelerate_prepared_model(tmp_path):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = accelerator.prepare(model, opt)
+    model.register_forward_hook(Faults())
+    guard = tg.Guard(model, opt, config=tg.GuardConfig(console=False), run_dir=tmp_path)
+    data = samples(70 * 8)
+    for step in range(70):
+        batch = data[step * 8 : (step + 1) * 8]
+        ids = torch.stack([b["input_ids"] for b in batch])
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        guard.step(loss)
+        opt.zero_grad()
+    guard.close()
+    found = events(tmp_path / "events.jsonl")
+    assert [e["step"] for e in found if e["kind"] == "nonfinite"] == [NAN_CALL - 1]
+    assert [e["step"] for e in found if e["kind"] == "loss_spike"] == [TOXIC_CALL - 1]
+    assert guard.action_counts["skip"] == 2
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def lightning_module(faults: Faults):
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_gpt2()
+            self.model.register_forward_hook(faults)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    return Module()
+
+
+def lightning_fit(module, tmp_path, steps: int, callback, ckpt_path=None):
+    import lightning.pytorch as pl
+
+    data = torch.stack([s["input_ids"] for s in samples(steps * 8)])
+    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+        default_root_dir=str(tmp_path),
+        callbacks=[callback],
+    )
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_the_lightning_callback_skips_the_nan_and_the_toxic_step(tmp_path):
+    from trainguard.integrations.lightning import TrainguardCallback
+
+    module = lightning_module(Faults())
+    callback = TrainguardCallback(tg.GuardConfig(console=False))
+    trainer = lightning_fit(module, tmp_path, 70, callback)
+    assert trainer.global_step == 70 and trainer.gradient_clip_val is None
+    assert callback.guard is not None and callback.guard.config.max_grad_norm == 1.0
+    found = events(tmp_path / "trainguard" / "events.jsonl")
+    assert [e["step"] for e in found if e["kind"] == "nonfinite"] == [NAN_CALL - 1]
+    assert [e["step"] for e in found if e["kind"] == "loss_spike"] == [TOXIC_CALL - 1]
+    assert callback.guard.action_counts["skip"] == 2
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_the_lightning_callback_state_survives_a_checkpoint_and_resume(tmp_path):
+    from trainguard.integrations.lightning import TrainguardCallback
+
+    first = TrainguardCallback(tg.GuardConfig(console=False))
+    trainer = lightning_fit(lightning_module(Faults()), tmp_path, 40, first)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    window = first.guard.detectors.state_dict()["loss_spike"]["window"]
+    assert len(window) > 0 and first.guard.global_step == 40
+    second = TrainguardCallback(tg.GuardConfig(console=False))
+    lightning_fit(lightning_module(Faults()), tmp_path, 50, second, tmp_path / "last.ckpt")
+    restored = second.guard
+    assert restored is not None and restored.global_step == 50
+    assert restored.action_counts["skip"] == 1  # the NaN before the checkpoint, carried over
+
+
+def test_a_halt_stops_the_hf_trainer_with_the_diagnosis(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from trainguard.integrations.hf import TrainguardCallback
+
+    model = tiny_gpt2()
+    model.register_forward_hook(Faults())
+    config = tg.GuardConfig.from_dict({"console": False, "policy": {"halt_on": ["nonfinite"]}})
+    callback = TrainguardCallback(config)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=70,
+        per_device_train_batch_size=8,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=1000,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=samples(70 * 8), callbacks=[callback])
+    trainer.train()
+    assert callback.halted is not None and "halted the run at step 29" in str(callback.halted)
+    assert trainer.state.global_step == NAN_CALL
+    kinds = [e["kind"] for e in events(tmp_path / "trainguard" / "events.jsonl")]
+    assert kinds[-1] == "halt"
