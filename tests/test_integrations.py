@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -91,10 +92,13 @@ def test_the_hf_trainer_callback_skips_the_nan_and_the_toxic_step(tmp_path):
     assert len(metrics) == 70 and math.isfinite(json.loads(metrics[-1])["loss"])
 
 
-def test_the_plain_guard_works_with_an_accelerate_prepared_model(tmp_path):
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_the_plain_guard_works_with_an_accelerate_prepared_model(tmp_path, precision):
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
-    accelerator = Accelerator(cpu=True)
+    AcceleratorState._reset_state(reset_partial_state=True)  # one Accelerator per test
+    accelerator = Accelerator(cpu=True, mixed_precision=precision)
     model = tiny_gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, opt = accelerator.prepare(model, opt)
@@ -209,3 +213,45 @@ def test_a_halt_stops_the_hf_trainer_with_the_diagnosis(tmp_path):
     assert trainer.state.global_step == NAN_CALL
     kinds = [e["kind"] for e in events(tmp_path / "trainguard" / "events.jsonl")]
     assert kinds[-1] == "halt"
+
+
+class Run(Faults):
+    """A run of toxic batches: the loss 20x on forward calls 40 to 45."""
+
+    def __call__(self, module: nn.Module, inputs: object, output: object) -> object:
+        if module.training:
+            self.calls += 1
+            if 40 <= self.calls <= 45:
+                output.loss = output.loss * 20.0  # type: ignore[attr-defined]
+        return output
+
+
+def test_the_hf_trainer_rolls_back_through_the_guard(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from trainguard.integrations.hf import TrainguardCallback
+
+    model = tiny_gpt2()
+    model.register_forward_hook(Run())
+    config = tg.GuardConfig.from_dict(
+        {"console": False, "recovery": {"snapshot_every": 10, "rollback_margin": 2}}
+    )
+    callback = TrainguardCallback(config)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=70,
+        per_device_train_batch_size=8,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=1000,
+        learning_rate=3e-3,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=samples(70 * 8), callbacks=[callback])
+    trainer.train()
+    found = events(tmp_path / "trainguard" / "events.jsonl")
+    (rollback,) = [e for e in found if e["kind"] == "rollback"]
+    assert rollback["metrics"]["to_step"] <= 38 and rollback["metrics"]["lr_factor"] < 1
+    assert trainer.state.global_step == 70 and callback.guard.action_counts["rollback"] == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
