@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/curves.py
 	$(BIN)/python benchmarks/distributed.py
 	$(BIN)/python benchmarks/alerts.py
+	$(BIN)/python benchmarks/detection.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
