@@ -255,3 +255,15 @@ def test_the_hf_trainer_rolls_back_through_the_guard(tmp_path):
     assert rollback["metrics"]["to_step"] <= 38 and rollback["metrics"]["lr_factor"] < 1
     assert trainer.state.global_step == 70 and callback.guard.action_counts["rollback"] == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_halt_stops_the_lightning_fit_with_the_diagnosis(tmp_path):
+    from trainguard.integrations.lightning import TrainguardCallback
+
+    config = tg.GuardConfig.from_dict({"console": False, "policy": {"halt_on": ["nonfinite"]}})
+    callback = TrainguardCallback(config)
+    trainer = lightning_fit(lightning_module(Faults()), tmp_path, 70, callback)
+    assert callback.halted is not None and "halted the run at step 29" in str(callback.halted)
+    assert trainer.global_step <= NAN_CALL
+    kinds = [e["kind"] for e in events(tmp_path / "trainguard" / "events.jsonl")]
+    assert kinds[-1] == "halt"
