@@ -51,33 +51,43 @@ def samples(n: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def hf_train(tmp_path, model: nn.Module, callback, **overrides):
+    """A 70-step Trainer run on the CPU with the callback; its Trainer."""
+    from transformers import Trainer, TrainingArguments
+
+    settings = {
+        "output_dir": str(tmp_path),
+        "max_steps": 70,
+        "per_device_train_batch_size": 8,
+        "report_to": [],
+        "save_strategy": "no",
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "logging_steps": 1000,
+        **overrides,
+    }
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(**settings),
+        train_dataset=samples(70 * 8),
+        callbacks=[callback],
+    )
+    trainer.train()
+    return trainer
+
+
 def events(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_the_hf_trainer_callback_skips_the_nan_and_the_toxic_step(tmp_path):
-    from transformers import Trainer, TrainingArguments
-
     from trainguard.integrations.hf import TrainguardCallback
 
     model = tiny_gpt2()
     model.register_forward_hook(Faults())
     callback = TrainguardCallback(tg.GuardConfig(console=False))
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=70,
-        per_device_train_batch_size=8,
-        learning_rate=3e-3,
-        max_grad_norm=1.0,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1000,
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=samples(70 * 8), callbacks=[callback])
-    trainer.train()
+    trainer = hf_train(tmp_path, model, callback, learning_rate=3e-3, max_grad_norm=1.0, seed=0)
+    args = trainer.args
     guard = callback.guard
     assert guard is not None and trainer.state.global_step == 70
     assert args.max_grad_norm == 0.0 and guard.config.max_grad_norm == 1.0  # taken over
@@ -189,26 +199,13 @@ def test_the_lightning_callback_state_survives_a_checkpoint_and_resume(tmp_path)
 
 
 def test_a_halt_stops_the_hf_trainer_with_the_diagnosis(tmp_path):
-    from transformers import Trainer, TrainingArguments
-
     from trainguard.integrations.hf import TrainguardCallback
 
     model = tiny_gpt2()
     model.register_forward_hook(Faults())
     config = tg.GuardConfig.from_dict({"console": False, "policy": {"halt_on": ["nonfinite"]}})
     callback = TrainguardCallback(config)
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=70,
-        per_device_train_batch_size=8,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        logging_steps=1000,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=samples(70 * 8), callbacks=[callback])
-    trainer.train()
+    trainer = hf_train(tmp_path, model, callback)
     assert callback.halted is not None and "halted the run at step 29" in str(callback.halted)
     assert trainer.state.global_step == NAN_CALL
     kinds = [e["kind"] for e in events(tmp_path / "trainguard" / "events.jsonl")]
@@ -227,8 +224,6 @@ class Run(Faults):
 
 
 def test_the_hf_trainer_rolls_back_through_the_guard(tmp_path):
-    from transformers import Trainer, TrainingArguments
-
     from trainguard.integrations.hf import TrainguardCallback
 
     model = tiny_gpt2()
@@ -237,19 +232,7 @@ def test_the_hf_trainer_rolls_back_through_the_guard(tmp_path):
         {"console": False, "recovery": {"snapshot_every": 10, "rollback_margin": 2}}
     )
     callback = TrainguardCallback(config)
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=70,
-        per_device_train_batch_size=8,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        logging_steps=1000,
-        learning_rate=3e-3,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=samples(70 * 8), callbacks=[callback])
-    trainer.train()
+    trainer = hf_train(tmp_path, model, callback, learning_rate=3e-3)
     found = events(tmp_path / "trainguard" / "events.jsonl")
     (rollback,) = [e for e in found if e["kind"] == "rollback"]
     assert rollback["metrics"]["to_step"] <= 38 and rollback["metrics"]["lr_factor"] < 1

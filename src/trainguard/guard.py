@@ -575,14 +575,15 @@ class Guard:
             hook.reset()
 
     def _name_ranks(self, events: list[Event]) -> None:
-        """Each event names its rank: the culprit a per-rank check found, else this one."""
+        """Each event names the culprit rank a per-rank check found (`_emit` names this rank
+        otherwise); per-rank events also name its host."""
         if self.ranks is None:
             return
         culprit = next((e.rank for e in events if e.kind == "rank_outlier"), None)
         for event in events:
             if event.rank is None:
-                event.rank = culprit if culprit is not None else self.ranks.rank
-            if event.kind in ("straggler", "rank_outlier"):
+                event.rank = culprit
+            if event.kind in ("straggler", "rank_outlier") and event.rank is not None:
                 event.metrics["host"] = self.ranks.hosts[event.rank]
 
     # -- internals ----------------------------------------------------------------------------

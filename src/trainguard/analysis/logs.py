@@ -54,7 +54,8 @@ class LogData:
 class _Columns:
     """Rows gathered into typed arrays (8 bytes a value), with the line numbers passed over."""
 
-    def __init__(self) -> None:
+    def __init__(self, unit: str = "line") -> None:
+        self.unit = unit  # what a passed-over row is named by: a file's line, or a step
         self.parts: dict[str, list[np.ndarray]] = {k: [] for k in ("step", "loss", *OPTIONAL)}
         self.bad: list[int] = []
         self.bad_count = 0
@@ -85,7 +86,7 @@ class _Columns:
             more = self.bad_count - len(self.bad)
             notes.append(
                 f"passed over {self.bad_count} row(s) without a numeric step and finite loss: "
-                f"line {shown}" + (f" and {more} more" if more > 0 else "")
+                f"{self.unit} {shown}" + (f" and {more} more" if more > 0 else "")
             )
         order = steps.astype(np.int64)
         del steps
@@ -317,7 +318,7 @@ def _tensorboard(p: Path, tag: str | None) -> LogData:
     chosen = _tb_tag(p, series, "loss", tag, required=True)
     assert chosen is not None
     steps = sorted(series[chosen])
-    out = _Columns()
+    out = _Columns(unit="step")
     loss = np.array([series[chosen][s] for s in steps])
     block = {"step": np.array(steps, dtype=np.float64), "loss": loss}
     for key in OPTIONAL:
@@ -325,12 +326,10 @@ def _tensorboard(p: Path, tag: str | None) -> LogData:
         if name is not None:
             block[key] = np.array([series[name].get(s, math.nan) for s in steps])
     finite = np.isfinite(loss)
-    for s in np.asarray(steps)[~finite][:MAX_WARNED_ROWS]:
-        out.bad.append(int(s))
-    out.bad_count = int((~finite).sum())
+    for s in np.asarray(steps)[~finite]:
+        out.skip(int(s))
     out.add({k: v[finite] for k, v in block.items()})
     data = out.finish(p)
-    data.warnings = [w.replace("line", "step") for w in data.warnings]
     data.warnings.insert(0, f"read the TensorBoard scalar '{chosen}'")
     return data
 

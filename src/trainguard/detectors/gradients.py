@@ -33,10 +33,10 @@ def _grad_chunk(series: MetricSeries, start: int) -> tuple[np.ndarray, np.ndarra
     series has no grad norm there."""
     if series.has_groups:
         return start
-    idx, g = series.finite_grads(start)
-    if series.grad_norm is None or len(g) == 0:
+    if series.grad_norm is None:
         return series.chunk_end(start)
-    return idx, g
+    idx, g = series.finite_grads(start)
+    return (idx, g) if len(g) else series.chunk_end(start)
 
 
 DEPARTURE = 3.0  # a group whose norm passes this x its own average has left its history

@@ -275,7 +275,8 @@ class LossSpikeDetector(Detector):
         return stop_at(idx, first, series, start)
 
     def _tail_of(self, hist: np.ndarray, total: float) -> float:
-        """`_count_z`'s tail factor from a histogram of |z| (vectorised)."""
+        """The tail factor: how far the `tail_quantile` of past |z| (the upper edge of the bin
+        where the counts from the top pass the quantile) lies beyond a Gaussian's."""
         beyond = (1.0 - self.config.tail_quantile) * total
         above = np.flatnonzero(np.cumsum(hist[::-1]) > beyond)
         edge = (Z_BINS - int(above[0])) * Z_BIN if len(above) else 0.0
@@ -302,15 +303,7 @@ class LossSpikeDetector(Detector):
             self.z_hist = [c / 2 for c in self.z_hist]
             self.z_total /= 2
         if self.z_total >= TAIL_MIN_SAMPLES and int(self.z_total) % 100 == 0:
-            beyond = (1.0 - self.config.tail_quantile) * self.z_total
-            cumulative = 0.0
-            edge = 0.0
-            for i in range(Z_BINS - 1, -1, -1):
-                cumulative += self.z_hist[i]
-                if cumulative > beyond:
-                    edge = (i + 1) * Z_BIN
-                    break
-            self.tail = max(1.0, edge / self._gauss_q)
+            self.tail = self._tail_of(np.asarray(self.z_hist), self.z_total)
 
     def _classify(self, point: MetricPoint) -> tuple[SpikeType, float, str]:
         """First guess of the cause from what came before the spike."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -58,9 +57,8 @@ class MetricSeries:
     def finite_grads(self, start: int) -> tuple[np.ndarray, np.ndarray]:
         """Indices and values of the steps in the chunk at `start` that a gradient detector reads:
         a present, finite grad norm and no non-finite gradient count."""
+        assert self.grad_norm is not None, "a series without grad norms has none to read"
         end = self.chunk_end(start)
-        if self.grad_norm is None:
-            return np.arange(start, end), np.full(end - start, math.nan)
         g = self.grad_norm[start:end]
         ok = np.isfinite(g)
         if self.nonfinite_grads is not None:
@@ -160,7 +158,3 @@ def ema(x: np.ndarray, start: float, alpha: float) -> np.ndarray:
         out[s + 1 : s + 1 + len(xs)] = seg
         y = float(seg[-1])
     return out
-
-
-def as_float_list(values: Any) -> list[float]:
-    return [float(v) for v in values]
