@@ -145,6 +145,43 @@ def test_spike_type_gradient_explosion_when_it_jumps_and_stays_high():
     assert final.metrics["previous_type"] == "data_toxicity"
 
 
+def test_a_lasting_jump_under_the_z_threshold_is_a_spike_after_persist_steps():
+    rng = np.random.default_rng(3)
+    y = 1.0 + 0.01 * rng.standard_normal(4000)
+    y[3000:3030] += 0.08  # 8 noise deviations: under z_threshold, held for 30 steps
+    spikes = [e for e in feed(LossSpikeDetector(), y) if e.kind == "loss_spike"]
+    assert [(e.step, e.metrics["rule"], e.metrics["since_step"]) for e in spikes] == [
+        (3002, "persistent", 3000)
+    ]
+    assert spikes[0].type == "gradient_explosion" and "stayed for 3 steps" in spikes[0].message
+
+
+def test_elevated_steps_that_come_back_join_the_baseline():
+    rng = np.random.default_rng(4)
+    y = 1.0 + 0.01 * rng.standard_normal(4000)
+    y[3000:3002] += 0.07  # two steps only: not a lasting jump
+    det = LossSpikeDetector()
+    assert not [e for e in feed(det, y) if e.kind == "loss_spike"]
+    assert det.pending == [] and len(det.window) == det.config.window
+
+
+def test_heavy_tails_raise_the_reach_and_raise_no_false_alarm():
+    rng = np.random.default_rng(5)
+    heavy = 1.0 + 0.01 * rng.standard_t(4, 30_000)
+    light = 1.0 + 0.01 * rng.standard_normal(30_000)
+    det_heavy, det_light = LossSpikeDetector(), LossSpikeDetector()
+    assert not [e for e in feed(det_heavy, heavy) if e.kind == "loss_spike"]
+    assert not [e for e in feed(det_light, light) if e.kind == "loss_spike"]
+    # Student-t(4) reaches about 20 standard deviations once in 200k steps; a Gaussian 4.4
+    assert 14 < det_heavy.reach < 30 and det_light.reach < 8
+    y = light.copy()
+    y[29_000] += 0.12  # 12 deviations: a spike where the noise is light ...
+    assert [e.step for e in feed(LossSpikeDetector(), y) if e.kind == "loss_spike"] == [29_000]
+    y = heavy.copy()
+    y[29_000] += 0.12  # ... and within what heavy-tailed noise reaches
+    assert not [e for e in feed(LossSpikeDetector(), y) if e.kind == "loss_spike"]
+
+
 def test_spike_type_gradient_explosion_at_once_when_grad_norm_builds_up():
     y = lm_curve(3000, seed=8)
     g = np.full(3000, 0.5)

@@ -48,11 +48,22 @@ class LossSpikeConfig(_Section):
     noise_horizon: int = Field(
         1000, ge=10, description="Steps over which the long-run noise level is averaged."
     )
+    persist_steps: int = Field(
+        3, ge=2, description="Steps in a row over `persist_z` that make a spike below z_threshold."
+    )
+    persist_z: float = Field(
+        5.0, gt=0, description="Noise standard deviations a lasting jump must keep above its level."
+    )
     tail_quantile: float = Field(
         0.999,
         gt=0.5,
         lt=1,
-        description="Quantile of past |z| that widens the threshold for heavy-tailed noise.",
+        description="Quantile of past |z| from which the noise's heavy tails are read.",
+    )
+    noise_reach_steps: int = Field(
+        200_000,
+        ge=100,
+        description="A z-score spike must clear what the noise reaches once in this many steps.",
     )
 
 

@@ -32,13 +32,20 @@ from trainguard.detectors.stats import (
 )
 from trainguard.events import Event, Severity, SpikeType
 
-TREND_Z = 3.0  # Mann-Kendall z of the pre-spike losses that reads as a steady rise
+TREND_Z = 4.0  # Mann-Kendall z of the pre-spike losses that reads as a steady rise
+TREND_SPAN = 96  # pre-spike steps whose trend is tested
 BUILD_UP = 16  # a rise confined to this many steps before the spike is an instability brewing
-PERIOD_ACF = 0.5  # autocorrelation at the dominant period that reads as oscillation
+SWING_JUMP = 2.0  # a lasting rise this many times a swing's height is a jump, not its top
+PERIOD_ACF = 0.35  # autocorrelation at the dominant period that reads as oscillation
 GRAD_HIGH = 2.0  # grad norm over this x its baseline mean counts as elevated
 Z_BIN = 0.25  # width of the |z| histogram bins that measure how heavy the noise tails are
 Z_BINS = 100
-TAIL_MIN_SAMPLES = 2000
+TAIL_MIN_SAMPLES = 2000  # |z| values counted before the tails are read
+TAIL_BEYOND = 10  # the tails are read at the quantile with this many values beyond it, or beyond
+MAX_TAIL = 3.0  # the widest the persistence threshold gets
+MAX_TAIL_POWER = 0.5  # the reach grows at most as a tail this heavy (Student-t, nu = 2) would
+UNREAD_REACH = 2.0  # x z_threshold: the reach assumed before TAIL_MIN_SAMPLES are counted
+MAX_REACH = 40.0  # noise standard deviations: the furthest the reach goes (Student-t nu=3: 35)
 NOISE_EVERY = 16  # steps between re-estimates of the recent noise (it moves slowly)
 
 
@@ -64,7 +71,7 @@ class _TailCounts:
         self.halvings = np.where(after, 1 + (q - first_halving) // half, 0)
         recount = (self.totals >= TAIL_MIN_SAMPLES) & (self.totals % 100 == 0)
         self.recounts = np.flatnonzero(recount) + 1  # counts after which the tail is recomputed
-        self.cache: dict[int, float] = {}
+        self.cache: dict[int, tuple[float, float]] = {}
 
     def total_after(self, c: int) -> float:
         assert self.totals is not None
@@ -80,11 +87,11 @@ class _TailCounts:
         out: np.ndarray = counted + self.hist0 * 2.0 ** -float(h[-1])
         return out
 
-    def tail_after(self, c: int) -> float:
-        """The tail factor in force once `c` values are counted."""
+    def tail_after(self, c: int) -> tuple[float, float]:
+        """The tail factor and the noise's reach in force once `c` values are counted."""
         k = int(np.searchsorted(self.recounts, c, side="right"))
         if k == 0:
-            return self.detector.tail
+            return self.detector.tail, self.detector.reach
         r = int(self.recounts[k - 1])
         if r not in self.cache:
             self.cache[r] = self.detector._tail_of(self.hist_after(r), self.total_after(r))
@@ -98,10 +105,15 @@ class LossSpikeDetector(Detector):
 
     # The level is the median of the latest `level_window` baseline losses; the noise is the
     # larger of a recent winsorised estimate from first differences (immune to the fast early
-    # fall) and a long-run average over `noise_horizon`. Heavy tails widen the threshold by how
-    # far the `tail_quantile` of past |z| lies beyond a Gaussian's. A run of spikes lasting a
-    # quarter of the window becomes the new level. `spike_classified` revises the type after
-    # `classify_window` steps.
+    # fall) and a long-run average over `noise_horizon`. The z threshold is also at least the
+    # noise's reach: how far |z| goes once in `noise_reach_steps`, extrapolated from two upper
+    # quantiles of past |z| (`tail_quantile` and ten times further in) as a power-law tail. A
+    # jump that stays over `persist_z`, widened by how far the upper quantile lies beyond a
+    # Gaussian's, for `persist_steps` steps is a spike too (until the tails are read, the reach
+    # is twice z_threshold and the widening 1); those steps join the
+    # baseline only if the loss comes back before that. A spike lasts until the loss falls back
+    # under half `persist_z`; one lasting a quarter of the window becomes the new level.
+    # `spike_classified` revises the type after `classify_window` steps.
 
     name = "loss_spike"
     _state = (
@@ -114,8 +126,10 @@ class LossSpikeDetector(Detector):
         "z_hist",
         "z_total",
         "tail",
+        "reach",
         "short",
         "noise_age",
+        "pending",
     )
 
     def __init__(self, config: LossSpikeConfig | None = None) -> None:
@@ -129,9 +143,10 @@ class LossSpikeDetector(Detector):
         self.z_hist: list[float] = [0.0] * Z_BINS
         self.z_total = 0.0
         self.tail = 1.0
+        self.reach = UNREAD_REACH * self.config.z_threshold  # until the tails are read
         self.short = 0.0
         self.noise_age = 0
-        self._gauss_q = NormalDist().inv_cdf(0.5 + self.config.tail_quantile / 2)
+        self.pending: list[list[Any]] = []  # [step, loss, grad_norm, z] of elevated steps
 
     def update(self, point: MetricPoint) -> list[Event]:
         if not point.loss_finite:
@@ -144,7 +159,7 @@ class LossSpikeDetector(Detector):
         cfg = self.config
         loss = point.loss
         if len(self.window) < cfg.warmup:
-            self._accept(point, None)
+            self._accept(loss, point.grad_norm, None)
             return events
         recent = list(self.window)
         level = median(recent[-cfg.level_window :])
@@ -159,26 +174,48 @@ class LossSpikeDetector(Detector):
         jump = loss - level
         z = jump / sigma if sigma > 0 else (math.inf if jump > 0 else 0.0)
         ratio = loss / base_mean if base_mean > 0 else math.nan
-        threshold = cfg.z_threshold * self.tail
-        z_rule = z > threshold and jump > cfg.min_rel_jump * abs(level)
+        threshold = max(cfg.z_threshold, self.reach)
+        big = jump > cfg.min_rel_jump * abs(level)
+        z_rule = z > threshold and big
         ratio_rule = base_mean > 0 and loss > cfg.ratio_threshold * base_mean
-        if not (z_rule or ratio_rule):
-            self.run.end()
-            self._accept(point, z)
-            return events
+        elevated = z > cfg.persist_z * self.tail and big
         if self.run.active:
-            new_level = self.run.extend(loss)
-            if new_level is not None:
-                self.window.clear()
-                self.window.extend(new_level)
-                self.noise_age = 0
-                self.last = loss
-                self.run.end()
-            return events
-        self.run.start(loss)
+            if z_rule or ratio_rule or z > 0.5 * cfg.persist_z * self.tail:  # not back yet
+                new_level = self.run.extend(loss)
+                if new_level is not None:
+                    self.window.clear()
+                    self.window.extend(new_level)
+                    self.noise_age = 0
+                    self.last = loss
+                    self.run.end()
+                return events
+            self.run.end()
+        if not (z_rule or ratio_rule):
+            if not elevated:
+                for _, value, grad, z_value in self.pending:  # it was noise after all
+                    self._accept(value, grad, z_value)
+                self.pending.clear()
+                self._accept(loss, point.grad_norm, z)
+                return events
+            self.pending.append([point.step, loss, point.grad_norm, z])
+            if len(self.pending) < cfg.persist_steps:
+                return events
+            swing = self._swing(list(self.window))
+            if swing is not None and jump < SWING_JUMP * swing[2]:  # a swing's top, not a jump
+                for _, value, grad, z_value in self.pending:
+                    self._accept(value, grad, z_value)
+                self.pending.clear()
+                return events
+        values = [p[1] for p in self.pending] + ([loss] if z_rule or ratio_rule else [])
+        since = int(self.pending[0][0]) if self.pending else point.step
+        self.pending.clear()
+        self.run.start(values[0])
+        for value in values[1:]:
+            self.run.extend(value)
         if self.watch is not None:
             events.append(self._finish(point))
-        spike_type, confidence, why = self._classify(point)
+        held = len(values)
+        spike_type, confidence, why = self._classify(point, held)
         grad_mean = mean(list(self.grads)) if self.grads else None
         self.watch = {
             "step": point.step,
@@ -192,7 +229,7 @@ class LossSpikeDetector(Detector):
             "back_steps": 0,
             "high_grad_steps": 0,
         }
-        rule = "z-score" if z_rule else "ratio"
+        rule = "z-score" if z_rule else "ratio" if ratio_rule else "persistent"
         metrics = {
             "loss": loss,
             "level": level,
@@ -202,10 +239,12 @@ class LossSpikeDetector(Detector):
             "z_threshold": threshold,
             "ratio": ratio,
             "rule": rule,
+            "since_step": since,
             "grad_norm": point.grad_norm,
         }
+        jumped = "jumped" if held == 1 else f"has stayed for {held} steps"
         message = (
-            f"loss {fmt(loss)} jumped over its level {fmt(level)} "
+            f"loss {fmt(loss)} {jumped} over its level {fmt(level)} "
             f"(z={fmt(z)}, {fmt(ratio)}x the recent mean); likely {spike_type.replace('_', ' ')}: "
             f"{why}"
         )
@@ -218,7 +257,9 @@ class LossSpikeDetector(Detector):
     def advance(self, series: MetricSeries, start: int) -> int:
         cfg = self.config
         full = len(self.window) == self.window.maxlen
-        if self.watch is not None or self.run.active or not full or self.noise_var is None:
+        if self.watch is not None or self.run.active or self.pending or not full:
+            return start
+        if self.noise_var is None:
             return start
         if self.last is None:
             return start
@@ -251,10 +292,13 @@ class LossSpikeDetector(Detector):
         if tails.totals is None:
             return start
         ratio_rule = (base_mean > 0) & (losses > cfg.ratio_threshold * base_mean)
-        high = (z > cfg.z_threshold) & (jump > cfg.min_rel_jump * np.abs(level))
+        lowest = min(cfg.z_threshold, cfg.persist_z)  # a spike, or the first step of a lasting one
+        # (each threshold only widens from these, so steps under `lowest` need no look)
+        high = (z > lowest) & (jump > cfg.min_rel_jump * np.abs(level))
         first = first_true(ratio_rule)
         for k in np.flatnonzero(high[: m if first is None else first]).tolist():
-            if z[k] > cfg.z_threshold * tails.tail_after(int(before[k])):
+            tail, reach = tails.tail_after(int(before[k]))
+            if z[k] > min(max(cfg.z_threshold, reach), cfg.persist_z * tail):
                 first = k
                 break
         f = m if first is None else first
@@ -266,7 +310,7 @@ class LossSpikeDetector(Detector):
         self.short = float(short[f - 1])
         self.noise_age += f
         counts = int(before[f - 1] + counted[f - 1])
-        self.tail = tails.tail_after(counts)
+        self.tail, self.reach = tails.tail_after(counts)
         self.z_hist = tails.hist_after(counts).tolist()
         self.z_total = tails.total_after(counts)
         if series.grad_norm is not None:
@@ -274,25 +318,30 @@ class LossSpikeDetector(Detector):
             self.grads.extend(g[np.isfinite(g)][-w:].tolist())
         return stop_at(idx, first, series, start)
 
-    def _tail_of(self, hist: np.ndarray, total: float) -> float:
-        """The tail factor: how far the `tail_quantile` of past |z| (the upper edge of the bin
-        where the counts from the top pass the quantile) lies beyond a Gaussian's."""
-        beyond = (1.0 - self.config.tail_quantile) * total
-        above = np.flatnonzero(np.cumsum(hist[::-1]) > beyond)
-        edge = (Z_BINS - int(above[0])) * Z_BIN if len(above) else 0.0
-        return max(1.0, edge / self._gauss_q)
+    def _tail_of(self, hist: np.ndarray, total: float) -> tuple[float, float]:
+        """The persistence widening and the noise's reach (see the class comment) from the |z|
+        histogram; the quantiles move in from `tail_quantile` while few values are counted."""
+        upper = max(1.0 - self.config.tail_quantile, TAIL_BEYOND / total)
+        q_hi = _quantile(hist, total, upper)
+        q_lo = _quantile(hist, total, min(10 * upper, 0.5))
+        gauss = NormalDist().inv_cdf(1.0 - upper / 2)
+        tail = min(max(1.0, q_hi / gauss), MAX_TAIL)
+        if q_lo <= 0 or q_hi <= q_lo:
+            return tail, min(q_hi, MAX_REACH)
+        budget = 2.0 / self.config.noise_reach_steps  # |z| counts both tails
+        power = min(math.log10(q_hi / q_lo), MAX_TAIL_POWER)
+        return tail, min(q_hi * (upper / budget) ** power, MAX_REACH)
 
-    def _accept(self, point: MetricPoint, z: float | None) -> None:
+    def _accept(self, loss: float, grad_norm: float | None, z: float | None) -> None:
         """Add a non-spike step to the baseline and to the long-run noise and tail estimates."""
-        loss = point.loss
         if self.last is not None and self.noise_var is not None:
             a = 1.0 / self.config.noise_horizon
             d = loss - self.last
             self.noise_var = (1 - a) * self.noise_var + a * 0.5 * d * d
         self.last = loss
         self.window.append(loss)
-        if point.grad_norm is not None and math.isfinite(point.grad_norm):
-            self.grads.append(point.grad_norm)
+        if grad_norm is not None and math.isfinite(grad_norm):
+            self.grads.append(grad_norm)
         if z is not None and math.isfinite(z):
             self._count_z(abs(z))
 
@@ -303,12 +352,12 @@ class LossSpikeDetector(Detector):
             self.z_hist = [c / 2 for c in self.z_hist]
             self.z_total /= 2
         if self.z_total >= TAIL_MIN_SAMPLES and int(self.z_total) % 100 == 0:
-            self.tail = self._tail_of(np.asarray(self.z_hist), self.z_total)
+            self.tail, self.reach = self._tail_of(np.asarray(self.z_hist), self.z_total)
 
-    def _classify(self, point: MetricPoint) -> tuple[SpikeType, float, str]:
-        """First guess of the cause from what came before the spike."""
+    def _classify(self, point: MetricPoint, held: int = 1) -> tuple[SpikeType, float, str]:
+        """First guess of the cause from what came before the spike and how long it has held."""
         recent = list(self.window)
-        pre = recent[-48:]
+        pre = recent[-TREND_SPAN:]
         trend = mann_kendall_z(pre)
         if trend > TREND_Z and mann_kendall_z(pre[: len(pre) // 2]) > TREND_Z / 2:
             return (
@@ -316,16 +365,14 @@ class LossSpikeDetector(Detector):
                 0.6,
                 f"the loss was rising steadily before it (trend z={trend:.1f})",
             )
-        residuals = detrended(recent[-96:]) if len(recent) >= 32 else None
-        # swings far below the level are rounding, not an oscillation
-        if residuals is not None and residuals.std() > 1e-6 * abs(mean(recent)):
-            period, acf = dominant_period(residuals, 4)
-            if period and acf >= PERIOD_ACF:
-                return (
-                    "optimizer",
-                    0.6,
-                    f"the loss was swinging with period {period} steps (autocorrelation {acf:.2f})",
-                )
+        swing = self._swing(recent)
+        if swing is not None:
+            period, acf, _ = swing
+            return (
+                "optimizer",
+                0.6,
+                f"the loss was swinging with period {period} steps (autocorrelation {acf:.2f})",
+            )
         build_up = pre[-BUILD_UP:]
         if len(build_up) == BUILD_UP and mann_kendall_z(build_up) > TREND_Z:
             why = f"the loss was building up over the last {BUILD_UP} steps"
@@ -337,7 +384,19 @@ class LossSpikeDetector(Detector):
             rising = all(b > a for a, b in itertools.pairwise(last)) and point.grad_norm > last[-1]
             if base > 0 and rising and last[-1] > GRAD_HIGH * base:
                 return "gradient_explosion", 0.6, "the gradient norm was growing into the spike"
+        if held > 1:
+            return "gradient_explosion", 0.6, f"the loss has stayed high for {held} steps"
         return "data_toxicity", 0.5, "a sudden jump with no build-up, as one bad batch gives"
+
+    @staticmethod
+    def _swing(recent: list[float]) -> tuple[int, float, float] | None:
+        """The period, autocorrelation and height of a periodic swing in the baseline, if any."""
+        residuals = detrended(recent[-96:]) if len(recent) >= 32 else None
+        # swings far below the level are rounding, not an oscillation
+        if residuals is None or residuals.std() <= 1e-6 * abs(mean(recent)):
+            return None
+        period, acf = dominant_period(residuals, 4)
+        return (period, acf, float(residuals.max())) if period and acf >= PERIOD_ACF else None
 
     def _follow(self, point: MetricPoint) -> Event | None:
         w = self.watch
@@ -394,3 +453,19 @@ class LossSpikeDetector(Detector):
             type=new,
             confidence=confidence,
         )
+
+
+def _quantile(hist: np.ndarray, total: float, beyond: float) -> float:
+    """The |z| with a share `beyond` of the histogram's counts above it, interpolated in its bin
+    (the open top bin reads as its lower edge)."""
+    target = beyond * total
+    from_top = np.cumsum(hist[::-1])
+    k = int(np.searchsorted(from_top, target, side="right"))  # bins from the top fully beyond
+    if k >= Z_BINS:
+        return 0.0
+    b = Z_BINS - 1 - k  # the bin the quantile falls in
+    if b == Z_BINS - 1:
+        return b * Z_BIN
+    above = float(from_top[k - 1]) if k > 0 else 0.0
+    share = (target - above) / float(hist[b]) if hist[b] > 0 else 0.0
+    return float((b + 1 - share) * Z_BIN)
