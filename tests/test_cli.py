@@ -43,25 +43,31 @@ def test_config_prints_defaults_and_checks_files(tmp_path):
     assert len(out.stderr.strip().splitlines()) <= 2  # one logical line, maybe wrapped
 
 
-def test_demo_detects_and_skips_the_planted_incidents(tmp_path):
-    out = run("demo", "--steps", "150", "--run-dir", str(tmp_path / "demo"))
+def test_demo_recovers_from_the_four_planted_incidents(tmp_path):
+    out = run("demo", "--steps", "200", "--run-dir", str(tmp_path / "demo"))
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert "toxic batch at step 60: detected at step 60 as loss_spike" in text
-    assert "LR blow-up from step 105: detected at step" in text
+    for incident in ("toxic batch", "LR blow-up", "NaN in blocks.1.mlp", "divergence"):
+        row = next(line for line in text.splitlines() if incident in line and "step" in line)
+        assert "not detected" not in row and "not reached" not in row, row
+    assert "origin blocks.1.mlp" in text  # the NaN is traced to the module that made it
+    assert "guarded run within 2% of the clean run; unguarded run failed." in text
+    assert "NaN from step 120 on" in text  # the unguarded run never recovers from the NaN
     events = read_jsonl(tmp_path / "demo" / "events.jsonl")
     for event in events:
         jsonschema.validate(event, load_schema("events"))
-    assert (60, "loss_spike", "skip") in [(e["step"], e["kind"], e["action"]) for e in events]
-    assert "then rolled back to the known-good state at step" in text
-    assert any(e["kind"] == "rollback" for e in events)
+    assert (40, "loss_spike", "skip") in [(e["step"], e["kind"], e["action"]) for e in events]
+    assert sum(e["kind"] == "rollback" for e in events) >= 2
+    assert any(e["kind"] == "nan_origin" for e in events)
     steps = [m["step"] for m in read_jsonl(tmp_path / "demo" / "metrics.jsonl")]
-    assert sorted(set(steps)) == list(range(150))  # replayed steps after the rollback repeat
+    assert sorted(set(steps)) == list(range(200))  # replayed steps after a rollback repeat
+    report = (tmp_path / "demo" / "report.html").read_text()
+    assert "trainguard demo" in report and "<script" in report
 
 
 def test_demo_rejects_too_few_steps(tmp_path):
     out = run("demo", "--steps", "10", "--run-dir", str(tmp_path))
-    assert out.returncode == 2 and "at least 100 steps" in out.stderr
+    assert out.returncode == 2 and "at least 200 steps" in out.stderr
 
 
 def test_lint_a_setup_from_a_file(tmp_path):

@@ -26,7 +26,7 @@ err = Console(stderr=True)
 
 @app.command()
 def demo(
-    steps: Annotated[int, typer.Option(help="Training steps.")] = 300,
+    steps: Annotated[int, typer.Option(help="Training steps.")] = 400,
     run_dir: Annotated[Path, typer.Option(help="Where events and metrics go.")] = Path("runs/demo"),
     seed: Annotated[int, typer.Option(help="Seed of the model, data and faults.")] = 0,
 ) -> None:

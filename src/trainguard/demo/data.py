@@ -1,11 +1,15 @@
-"""`MarkovCorpus`: a learnable synthetic token stream, and the batches of a demo or test run."""
+"""`TextCorpus` (public-domain text shipped with the package, as characters), `MarkovCorpus` (a
+learnable synthetic token stream), and the batches of a demo or test run."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from importlib import resources
 
 import torch
+
+DEMO_TEXT = "kjv-genesis-exodus.txt"  # see demo/corpus/SOURCE.md
 
 
 @dataclass
@@ -50,7 +54,56 @@ class MarkovCorpus:
 
     def make_toxic(self, batch: Batch, seed: int = 2, input_scale: float = 8.0) -> Batch:
         """The same batch with its targets shuffled and its inputs scaled: one bad batch."""
+        return _toxic(batch, seed, input_scale)
+
+
+class TextCorpus:
+    """A text as character tokens, its last `held_out` share kept for evaluation."""
+
+    def __init__(self, text: str, held_out: float = 0.1) -> None:
+        self.chars = sorted(set(text))
+        self.vocab_size = len(self.chars)
+        index = {c: i for i, c in enumerate(self.chars)}
+        tokens = torch.tensor([index[c] for c in text], dtype=torch.long)
+        cut = int(len(tokens) * (1 - held_out))
+        self.tokens, self.held_out = tokens[:cut], tokens[cut:]
+
+    @classmethod
+    def load(cls, name: str = DEMO_TEXT) -> TextCorpus:
+        """The shipped public-domain corpus (Genesis and Exodus, King James Version)."""
+        text = resources.files("trainguard.demo").joinpath("corpus", name).read_text("utf-8")
+        return cls(text)
+
+    def batches(
+        self, batch_size: int, seq_len: int, steps: int, seed: int = 1, held_out: bool = False
+    ) -> Iterator[Batch]:
+        """`steps` batches of random windows, the same sequence for the same seed."""
+        tokens = self.held_out if held_out else self.tokens
         g = torch.Generator().manual_seed(seed)
-        perm = torch.randperm(batch.y.numel(), generator=g)
-        y = batch.y.reshape(-1)[perm].reshape(batch.y.shape)
-        return Batch(x=batch.x, y=y, ids=batch.ids, input_scale=input_scale, toxic=True)
+        high = len(tokens) - seq_len - 1
+        offsets = torch.arange(seq_len + 1)
+        for _ in range(steps):
+            starts = torch.randint(high, (batch_size,), generator=g)
+            windows = tokens[starts[:, None] + offsets[None, :]]
+            yield Batch(x=windows[:, :-1], y=windows[:, 1:], ids=starts.tolist())
+
+    def make_toxic(self, batch: Batch, seed: int = 2, input_scale: float = 8.0) -> Batch:
+        """The same batch with its targets shuffled and its inputs scaled: one bad batch."""
+        return _toxic(batch, seed, input_scale)
+
+    def corrupt(self, batch: Batch, fraction: float, seed: int = 3) -> Batch:
+        """The batch with `fraction` of its characters replaced by random ones, as in a shard
+        that decays into noise."""
+        g = torch.Generator().manual_seed(seed)
+        windows = torch.cat((batch.x, batch.y[:, -1:]), dim=1)
+        noisy = torch.rand(windows.shape, generator=g) < fraction
+        random = torch.randint(self.vocab_size, windows.shape, generator=g)
+        windows = torch.where(noisy, random, windows)
+        return Batch(x=windows[:, :-1], y=windows[:, 1:], ids=batch.ids, toxic=True)
+
+
+def _toxic(batch: Batch, seed: int, input_scale: float) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(batch.y.numel(), generator=g)
+    y = batch.y.reshape(-1)[perm].reshape(batch.y.shape)
+    return Batch(x=batch.x, y=y, ids=batch.ids, input_scale=input_scale, toxic=True)

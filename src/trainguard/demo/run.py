@@ -1,157 +1,375 @@
-"""The `trainguard demo` run: a tiny GPT with planted incidents, guarded, shown step by step."""
+"""The `trainguard demo` run: a small GPT on a shipped public-domain text, trained three times side
+by side (clean, unguarded, guarded) through four planted incidents, then a table and a report."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import math
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import trainguard as tg
-from trainguard.demo.data import MarkovCorpus
-from trainguard.demo.model import TinyGPT, TinyGPTConfig
-from trainguard.sinks import ConsoleSink
+from trainguard.demo.data import Batch, TextCorpus
+from trainguard.demo.model import Block, TinyGPT, TinyGPTConfig
+from trainguard.demo.scenarios import LogZero, scaled_step
 
 LR = 3e-3
+BATCH, SEQ = 16, 64
+OUTCOME_AFTER = 30  # steps after the detection at which the outcome is read
+SPARE = 200  # batches beyond `steps` for the guard to skip and replay
+RUNS = ("clean", "unguarded", "guarded")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where the four incidents are planted: data faults by position in the data, the others by
+    loop iteration (they happen in time, whatever the data)."""
+
+    toxic_at: int  # a batch with shuffled targets and 8x inputs
+    blowup: range  # iterations whose update lands at 100x the LR
+    nan_at: int  # the iteration at which blocks.1.mlp adds log(0) to its output
+    shard: range  # batches of a shard that decays into noise: the loss climbs
+
+    @classmethod
+    def for_steps(cls, steps: int) -> Plan:
+        b, s = int(0.4 * steps), int(0.8 * steps)
+        return cls(int(0.2 * steps), range(b, b + 5), int(0.6 * steps), range(s, s + 30))
+
+    def rows(self) -> list[tuple[str, str]]:
+        return [
+            ("toxic batch", f"batch {self.toxic_at}"),
+            ("LR blow-up (x100)", f"iterations {self.blowup.start}-{self.blowup.stop - 1}"),
+            ("NaN in blocks.1.mlp (log 0)", f"iteration {self.nan_at}"),
+            ("divergence (a shard decays into noise)", f"batches {self.shard.start}-"),
+        ]
+
+
+@dataclass
+class DemoRun:
+    """One of the three runs: its model, the loss at each step, and what the guard did."""
+
+    name: str
+    model: TinyGPT
+    optimizer: torch.optim.Optimizer
+    guard: tg.Guard | None = None
+    losses: dict[int, float] = field(default_factory=dict)  # the latest loss logged per step
+    decisions: list[tuple[int, tg.Decision]] = field(default_factory=list)  # (iteration, ...)
+    first_ids: dict[int, int] = field(default_factory=dict)  # iteration -> its batch's first id
+    eval_loss: float = math.nan
+    halted: tg.TrainingHalted | None = None
+
+    @property
+    def events(self) -> list[tg.Event]:
+        return [e for _, d in self.decisions for e in d.events]
 
 
 @dataclass
 class DemoResult:
-    """What the demo run saw and did."""
+    """The three runs and the incident table."""
 
-    events: list[tg.Event]
-    skipped: list[int]
-    final_loss: float
-    toxic_step: int
-    blowup_step: int
+    runs: dict[str, DemoRun]
+    rows: list[dict[str, str]]
     run_dir: Path
+    report: Path | None
+
+    @property
+    def events(self) -> list[tg.Event]:
+        return self.runs["guarded"].events
 
 
 def run_demo(
-    steps: int = 300,
+    steps: int = 400,
     run_dir: str | Path = "runs/demo",
     seed: int = 0,
     console: Console | None = None,
 ) -> DemoResult:
-    """Train TinyGPT for `steps` with a toxic batch at 40% and LR x100 for 5 steps at 70%."""
-    if steps < 100:
-        raise tg.TrainguardError("the demo needs at least 100 steps; pass --steps 100 or more")
+    """Train the three runs for `steps` optimizer steps each, print what happened and write the
+    guarded run's files and report.html into `run_dir`."""
+    if steps < 200:
+        raise tg.TrainguardError("the demo needs at least 200 steps; pass --steps 200 or more")
     console = console or Console()
     run_dir = Path(run_dir)
-    for name in ("events.jsonl", "metrics.jsonl", "quarantine.jsonl"):
-        (run_dir / name).unlink(missing_ok=True)  # a fresh demo each time, never a user's run
-    toxic_step, blowup_step = int(0.4 * steps), int(0.7 * steps)
-    corpus = MarkovCorpus(seed=seed)
-    torch.manual_seed(seed)
-    model = TinyGPT(TinyGPTConfig(d_model=64, n_layer=2, n_head=4))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    guard = tg.Guard(
-        model,
-        optimizer,
-        config=tg.GuardConfig(console=False),
-        run_dir=run_dir,
-        sinks=[ConsoleSink(console)],
-    )
+    _clear(run_dir)
+    plan = Plan.for_steps(steps)
+    corpus = TextCorpus.load()
+    clean = list(corpus.batches(BATCH, SEQ, steps + SPARE, seed=seed + 1))
+    faulty = list(clean)
+    faulty[plan.toxic_at] = corpus.make_toxic(clean[plan.toxic_at])
+    for k, position in enumerate(plan.shard):
+        fraction = 0.05 + 0.95 * k / (len(plan.shard) - 1)
+        faulty[position] = corpus.corrupt(clean[position], fraction, seed=position)
+    runs = {name: _make_run(name, corpus, seed, run_dir) for name in RUNS}
+    params = sum(p.numel() for p in runs["clean"].model.parameters())
     console.print(
-        f"[bold]trainguard demo[/]: TinyGPT ({sum(p.numel() for p in model.parameters()):,} "
-        f"parameters) on a synthetic corpus, {steps} steps; planted: a toxic batch at step "
-        f"{toxic_step}, LR x100 for 5 steps from step {blowup_step}."
+        f"[bold]trainguard demo[/]: a GPT of {params:,} parameters learns Genesis and Exodus "
+        f"(King James Version, {len(corpus.tokens) + len(corpus.held_out):,} characters) for "
+        f"{steps} steps, three times side by side: clean, unguarded, and guarded by trainguard."
     )
-    events: list[tg.Event] = []
-    skipped: list[int] = []
-    losses: list[float] = []
+    planted = Table(title="Planted in the unguarded and guarded runs", title_justify="left")
+    planted.add_column("incident")
+    planted.add_column("where")
+    for name, where in plan.rows():
+        planted.add_row(name, where + (f"{plan.shard.stop - 1}" if where.endswith("-") else ""))
+    console.print(planted)
     columns = (
-        TextColumn("[progress.description]{task.description}"),
+        TextColumn("{task.description:>9}"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total}"),
-        TextColumn("loss {task.fields[loss]:.3f}  grad {task.fields[grad]:.3g}"),
-        TimeRemainingColumn(),
+        TextColumn("loss {task.fields[loss]:>7.3f}"),
+        TextColumn("{task.fields[note]}"),
+        TimeElapsedColumn(),
     )
-    data = list(corpus.batches(16, 32, steps + 400, seed=seed + 1))  # spare batches to skip
-    data[toxic_step] = corpus.make_toxic(data[toxic_step])
-    rollbacks: list[int] = []
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("training", total=steps, loss=float("nan"), grad=float("nan"))
-        for iteration, batch in enumerate(guard.batches(data)):
-            if guard.global_step >= steps:
-                break
-            blowup = blowup_step <= iteration < blowup_step + 5  # a fault in time, not in data
-            for group in optimizer.param_groups:
-                group["lr"] *= 100 if blowup else 1
-            loss = model.loss(model(batch.x, batch.input_scale), batch.y)
-            loss.backward()  # type: ignore[no-untyped-call]
-            decision = guard.step(loss, batch_ids=batch.ids)
-            if blowup and decision.action != "rollback":  # a rollback already reset the LR
-                for group in optimizer.param_groups:
-                    group["lr"] /= 100
-            optimizer.zero_grad(set_to_none=True)
-            events += decision.events
-            if decision.action == "skip":
-                skipped.append(decision.step)
-            if decision.action == "rollback":
-                rollbacks.append(decision.step)
-            losses.append(float(decision.metrics["loss"]))
-            progress.update(
-                task,
-                completed=guard.global_step,
-                loss=losses[-1],
-                grad=float(decision.metrics["grad_norm"]),
-            )
-    guard.close()
-    final = sum(losses[-20:]) / 20
-    result = DemoResult(events, skipped, final, toxic_step, blowup_step, run_dir)
-    console.print(_table(result))
-    console.print(_summary(result))
+    loops = {
+        "clean": _train(runs["clean"], clean, steps, None),
+        "unguarded": _train(runs["unguarded"], faulty, steps, plan),
+        "guarded": _train(runs["guarded"], faulty, steps, plan),
+    }
+    with Progress(*columns, console=console) as progress:
+        tasks = {
+            name: progress.add_task(name, total=steps, loss=math.nan, note="") for name in RUNS
+        }
+        while loops:
+            for name in list(loops):
+                step = next(loops[name], None)
+                if step is None:
+                    del loops[name]
+                    continue
+                run = runs[name]
+                note = ""
+                if run.decisions and run.decisions[-1][1].action != "step":
+                    note = run.decisions[-1][1].action
+                progress.update(
+                    tasks[name], completed=step, loss=run.losses.get(step - 1, math.nan), note=note
+                )
+    evals = list(corpus.batches(32, SEQ, 8, seed=999, held_out=True))
+    for run in runs.values():
+        run.eval_loss = _evaluate(run.model, evals)
+    rows = _incidents(runs, plan, faulty)
+    report = _report(run_dir, console)
+    result = DemoResult(runs, rows, run_dir, report)
+    console.print(_incident_table(rows))
+    console.print(_final_table(runs))
+    console.print(_verdict(runs, run_dir, report))
     return result
 
 
-def _table(result: DemoResult) -> Table:
+def _clear(run_dir: Path) -> None:
+    """A fresh demo each time; only the demo's own files go, never anything else there."""
+    for name in ("events.jsonl", "metrics.jsonl", "quarantine.jsonl", "config.json"):
+        (run_dir / name).unlink(missing_ok=True)
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir():
+        shutil.rmtree(checkpoints)
+
+
+def _make_run(name: str, corpus: TextCorpus, seed: int, run_dir: Path) -> DemoRun:
+    torch.manual_seed(seed)  # the same initial weights for the three runs
+    cfg = TinyGPTConfig(vocab_size=corpus.vocab_size, seq_len=SEQ, n_layer=2, n_head=4, d_model=64)
+    model = TinyGPT(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    run = DemoRun(name, model, optimizer)
+    if name == "guarded":
+        config = tg.GuardConfig(console=False)
+        # the defaults are sized for long runs (PaLM skipped 200-500 batches); this one is short
+        config.recovery.snapshot_every = 25
+        config.recovery.skip_after_explosion = 20
+        config.recovery.rewarm_steps = 50
+        run.guard = tg.Guard(model, optimizer, config=config, run_dir=run_dir)
+    return run
+
+
+def _train(run: DemoRun, data: list[Batch], steps: int, plan: Plan | None) -> Iterator[int]:
+    """Train `run`, yielding its optimizer steps so far after each iteration; the unguarded run
+    clips at 1.0 and steps every batch, as a plain loop does."""
+    model, opt, guard = run.model, run.optimizer, run.guard
+    original_step = opt.step
+    block = model.blocks[1]
+    assert isinstance(block, Block)
+    log_zero = LogZero(block.mlp)
+    source: Any = guard.batches(data) if guard is not None else iter(data[:steps])
+    try:
+        for iteration, batch in enumerate(source):
+            if guard is not None and guard.global_step >= steps:
+                break
+            blowup = plan is not None and iteration in plan.blowup
+            opt.step = (  # type: ignore[method-assign]
+                functools.partial(scaled_step, opt, original_step, 100.0)
+                if blowup
+                else original_step
+            )
+            log_zero.armed = plan is not None and iteration == plan.nan_at
+            run.first_ids[iteration] = batch.ids[0]
+
+            def forward(batch: Batch = batch) -> torch.Tensor:
+                return model.loss(model(batch.x, batch.input_scale), batch.y)
+
+            loss = forward()
+            loss.backward()  # type: ignore[no-untyped-call]
+            if guard is not None:
+                decision = guard.step(loss, batch_ids=batch.ids, replay=forward)
+                run.decisions.append((iteration, decision))
+                run.losses[decision.step] = float(decision.metrics["loss"])
+                done = guard.global_step
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                run.losses[iteration] = float(loss.detach())
+                done = iteration + 1
+            opt.zero_grad(set_to_none=True)
+            yield done
+    except tg.TrainingHalted as halted:
+        run.halted = halted
+        run.decisions.append((-1, halted.decision))
+    finally:
+        log_zero.remove()
+        opt.step = original_step  # type: ignore[method-assign]
+        if guard is not None:
+            guard.close()
+
+
+@torch.no_grad()
+def _evaluate(model: TinyGPT, batches: list[Batch]) -> float:
+    losses = [float(model.loss(model(b.x), b.y)) for b in batches]
+    return sum(losses) / len(losses)
+
+
+ALARMS = ("loss_spike", "grad_spike", "grad_explosion", "nonfinite", "divergence")
+
+
+def _incidents(runs: dict[str, DemoRun], plan: Plan, data: list[Batch]) -> list[dict[str, str]]:
+    """For each planted incident, what the guard saw and did and where each run stood after."""
+    guarded = runs["guarded"]
+    iteration_of = {ids: it for it, ids in reversed(guarded.first_ids.items())}
+    starts = [
+        iteration_of.get(data[plan.toxic_at].ids[0]),
+        plan.blowup.start,
+        plan.nan_at,
+        iteration_of.get(data[plan.shard.start].ids[0]),
+    ]
+    spans = [1, len(plan.blowup) + 5, 3, len(plan.shard)]
+    rows = []
+    for (name, _), start, span in zip(plan.rows(), starts, spans, strict=True):
+        row = {"incident": name, "detected": "not reached", "as": "", "action": "", "outcome": ""}
+        rows.append(row)
+        if start is None:
+            continue
+        window = [d for it, d in guarded.decisions if start <= it < start + span or it == -1]
+        events = [e for d in window for e in d.events]
+        alarm = next((e for e in events if e.kind in ALARMS), None)
+        if alarm is None:
+            row["detected"] = "not detected"
+            continue
+        row["detected"] = f"step {alarm.step}"
+        row["as"] = alarm.kind + (f" ({alarm.type.replace('_', ' ')})" if alarm.type else "")
+        origin = next((e for e in events if e.kind == "nan_origin"), None)
+        if origin is not None:
+            row["as"] += f"; origin {origin.metrics.get('module', '?')}"
+        row["action"] = _actions(window, events)
+        row["outcome"] = _outcome(runs, alarm.step + OUTCOME_AFTER)
+    return rows
+
+
+def _actions(window: list[tg.Decision], events: list[tg.Event]) -> str:
+    said = []
+    for d in window:
+        if d.action == "rollback":
+            rollback = next(e for e in d.events if e.kind == "rollback")
+            first, end = rollback.metrics.get("skipped_batches") or (0, 0)
+            said.append(
+                f"rollback to step {rollback.metrics['to_step']}, LR x"
+                f"{rollback.metrics['lr_factor']:.2g}, batches {first}-{end - 1} skipped"
+            )
+        elif d.action in ("skip", "halt") and (not said or said[-1] != d.action):
+            said.append(d.action)
+    if any(e.kind == "spike_samples" for e in events):
+        said.append("samples quarantined")
+    return "; ".join(said) or "stepped"
+
+
+def _outcome(runs: dict[str, DemoRun], step: int) -> str:
+    """The loss around `step` of the guarded and unguarded runs against the clean one."""
+
+    def around(run: DemoRun) -> float:
+        values = [run.losses[s] for s in range(step - 5, step + 5) if s in run.losses]
+        return sum(values) / len(values) if values else math.nan
+
+    clean = around(runs["clean"])
+    parts = []
+    for name in ("guarded", "unguarded"):
+        value = around(runs[name])
+        parts.append(f"{name} {_vs(value, clean)}")
+    return f"at step {step}: " + ", ".join(parts)
+
+
+def _vs(value: float, clean: float) -> str:
+    if not math.isfinite(value):
+        return "NaN"
+    return f"{value:.3f} ({100 * (value / clean - 1):+.1f}%)"
+
+
+def _incident_table(rows: list[dict[str, str]]) -> Table:
     table = Table(title="What trainguard saw and did", title_justify="left")
-    for column in ("step", "event", "action"):
-        table.add_column(column, no_wrap=True)
-    table.add_column("what", overflow="fold", ratio=1)
-    for e in result.events:
-        event = e.kind + (f"\n{e.type}" if e.type else "") + f"\n{e.severity}"
-        table.add_row(str(e.step), event, e.action or "", e.message)
+    for column in ("incident", "detected", "as", "action", "outcome (vs clean)"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(row["incident"], row["detected"], row["as"], row["action"], row["outcome"])
     return table
 
 
-def _summary(result: DemoResult) -> str:
-    def first(kinds: tuple[str, ...], lo: int, hi: int) -> tg.Event | None:
-        return next((e for e in result.events if e.kind in kinds and lo <= e.step <= hi), None)
+def _final_table(runs: dict[str, DemoRun]) -> Table:
+    table = Table(title="Held-out loss at the end", title_justify="left")
+    for column in ("run", "held-out loss", "vs clean", "what happened"):
+        table.add_column(column)
+    clean = runs["clean"].eval_loss
+    for name in RUNS:
+        run = runs[name]
+        loss = run.eval_loss
+        vs = "-" if name == "clean" else _vs(loss, clean).split(" ")[-1].strip("()")
+        table.add_row(name, f"{loss:.3f}" if math.isfinite(loss) else "NaN", vs, _story(run))
+    return table
 
-    done = {"skip": "skipped", "step": "stepped", "halt": "halted"}
-    lines = []
-    toxic = first(("loss_spike",), result.toxic_step, result.toxic_step)
-    if toxic is not None:
-        lines.append(
-            f"toxic batch at step {result.toxic_step}: detected at step {toxic.step} as "
-            f"{toxic.kind} ({toxic.type}) and {done.get(toxic.action or '', 'logged')}."
-        )
-    else:
-        lines.append(f"toxic batch at step {result.toxic_step}: not detected.")
-    blow = first(
-        ("grad_spike", "grad_explosion", "loss_spike"), result.blowup_step, result.blowup_step + 6
+
+def _story(run: DemoRun) -> str:
+    if run.guard is None:
+        bad = next((s for s, v in sorted(run.losses.items()) if not math.isfinite(v)), None)
+        if run.name == "clean":
+            return "no incidents"
+        return f"NaN from step {bad} on" if bad is not None else "trained through every incident"
+    counts = run.guard.action_counts
+    told = ", ".join(
+        f"{n} {a}{'s' if n > 1 else ''}" for a, n in counts.items() if n and a != "step"
     )
-    if blow is not None:
-        rollback = next((e for e in result.events if e.kind == "rollback"), None)
-        then = (
-            f"then rolled back to the known-good state at step {rollback.metrics['to_step']} "
-            f"with the LR x{rollback.metrics['lr_factor']:.2g}"
-            if rollback is not None
-            else "no rollback was needed"
-        )
-        lines.append(
-            f"LR blow-up from step {result.blowup_step}: detected at step {blow.step} as "
-            f"{blow.kind}; {then}."
-        )
-    else:
-        lines.append(f"LR blow-up from step {result.blowup_step}: not detected.")
-    lines.append(
-        f"final loss (mean of the last 20 steps): {result.final_loss:.3f}; "
-        f"events and metrics in {result.run_dir}/"
-    )
+    return ("halted: " + str(run.halted.diagnosis) if run.halted else "") or told
+
+
+def _report(run_dir: Path, console: Console) -> Path | None:
+    from trainguard.analysis import load_run
+    from trainguard.sinks.html_report import write_report
+
+    try:
+        return write_report(load_run(run_dir), run_dir / "report.html", "trainguard demo")
+    except tg.TrainguardError as exc:
+        console.print(f"[red]no report: {exc}[/]")
+        return None
+
+
+def _verdict(runs: dict[str, DemoRun], run_dir: Path, report: Path | None) -> str:
+    clean, guarded = runs["clean"].eval_loss, runs["guarded"].eval_loss
+    unguarded = runs["unguarded"].eval_loss
+    close = math.isfinite(guarded) and abs(guarded / clean - 1) <= 0.02
+    failed = not math.isfinite(unguarded) or unguarded > 1.02 * clean
+    lines = [
+        f"guarded run {'within 2% of' if close else 'NOT within 2% of'} the clean run; "
+        f"unguarded run {'failed' if failed else 'did not fail'}.",
+        f"events, metrics and config in {run_dir}/"
+        + (f"; report: {report}" if report is not None else ""),
+    ]
     return "\n".join(lines)

@@ -92,25 +92,20 @@ def run_scenario(
     decisions: list[tg.Decision] = []
     losses: list[float] = []
     halted = None
-    armed = [False]
-
-    def plant_log0(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-        return out + torch.log(torch.zeros_like(out[..., :1])) if armed[0] else out
-
     block = model.blocks[0]
     assert isinstance(block, Block)
-    log0 = block.mlp.register_forward_hook(plant_log0)
+    log0 = LogZero(block.mlp)
     source: Any = guard.batches(batches) if guard is not None else batches[:steps]
     try:
         for iteration, batch in enumerate(source):
             if guard is not None and guard.global_step >= steps:
                 break
             opt.step = (  # type: ignore[method-assign]
-                functools.partial(_scaled_step, opt, original_step, 100.0)
+                functools.partial(scaled_step, opt, original_step, 100.0)
                 if iteration in fault.blowup
                 else original_step
             )
-            armed[0] = iteration == fault.log0_at
+            log0.armed = iteration == fault.log0_at
             if iteration == fault.corrupt_at:
                 with torch.no_grad():
                     model.head.weight.mul_(1e3)
@@ -144,7 +139,22 @@ def run_scenario(
     return ScenarioResult(sum(held_out) / len(held_out), halted, decisions, guard, model, losses)
 
 
-def _scaled_step(opt: torch.optim.Optimizer, original: Any, factor: float) -> Any:
+class LogZero:
+    """A forward hook on `module` that adds log(0) = -inf to its output while `armed`."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.armed = False
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return out + torch.log(torch.zeros_like(out[..., :1])) if self.armed else out
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def scaled_step(opt: torch.optim.Optimizer, original: Any, factor: float) -> Any:
+    """`original()` (the optimizer's step) with every group's LR `factor` times as large."""
     for group in opt.param_groups:
         group["lr"] *= factor
     try:
