@@ -44,7 +44,7 @@ TAIL_MIN_SAMPLES = 2000  # |z| values counted before the tails are read
 TAIL_BEYOND = 10  # the tails are read at the quantile with this many values beyond it, or beyond
 MAX_TAIL = 3.0  # the widest the persistence threshold gets
 MAX_TAIL_POWER = 0.5  # the reach grows at most as a tail this heavy (Student-t, nu = 2) would
-UNREAD_REACH = 2.0  # x z_threshold: the reach assumed before TAIL_MIN_SAMPLES are counted
+UNREAD_REACH = 1.0  # x z_threshold: the reach assumed before TAIL_MIN_SAMPLES are counted
 MAX_REACH = 40.0  # noise standard deviations: the furthest the reach goes (Student-t nu=3: 35)
 NOISE_EVERY = 16  # steps between re-estimates of the recent noise (it moves slowly)
 
@@ -110,7 +110,7 @@ class LossSpikeDetector(Detector):
     # quantiles of past |z| (`tail_quantile` and ten times further in) as a power-law tail. A
     # jump that stays over `persist_z`, widened by how far the upper quantile lies beyond a
     # Gaussian's, for `persist_steps` steps is a spike too (until the tails are read, the reach
-    # is twice z_threshold and the widening 1); those steps join the
+    # is z_threshold and the widening 1); those steps join the
     # baseline only if the loss comes back before that. A spike lasts until the loss falls back
     # under half `persist_z`; one lasting a quarter of the window becomes the new level.
     # `spike_classified` revises the type after `classify_window` steps.
