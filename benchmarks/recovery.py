@@ -3,8 +3,9 @@
 - the in-memory snapshot: time to take one, time to roll back to one, memory of the ring;
 - durable checkpoints: how long training is blocked per checkpoint, async vs sync DCP save
   (target: async blocks at most 10% of sync), and rollback from disk (Guard.resume);
-- the fault scenarios of trainguard.demo.scenarios, each guarded and unguarded, against the
-  clean guarded run.
+- the fault suite of trainguard.demo.scenarios (nine recoverable faults and a persistent one)
+  on two model families, each guarded and unguarded, against the clean guarded run: the share
+  of runs that end within 2% of it.
 
 Run: python benchmarks/recovery.py [--repeats 5] [--no-write]
 """
@@ -12,6 +13,7 @@ Run: python benchmarks/recovery.py [--repeats 5] [--no-write]
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import statistics
 import tempfile
@@ -24,7 +26,7 @@ import trainguard as tg
 from _common import gpt, write_section
 from trainguard.actions.snapshots import SnapshotRing
 from trainguard.demo import MarkovCorpus, TinyGPT
-from trainguard.demo.scenarios import FAULTS, run_scenario
+from trainguard.demo.scenarios import FAMILIES, FAULTS, RECOVERABLE, run_scenario
 
 
 def trained(run_dir: Path, asynchronous: bool) -> tuple[tg.Guard, TinyGPT]:
@@ -111,39 +113,82 @@ def costs(repeats: int) -> str:
 
 
 def scenarios() -> str:
-    clean = run_scenario(FAULTS["clean"])
+    """Every planted fault on both model families, guarded and unguarded, against the clean
+    guarded run of the same family; the persistent fault is expected to halt."""
     rows = [
-        f"TinyGPT on the Markov corpus, 400 optimizer steps (600 for the persistent fault); clean "
-        f"guarded run's held-out loss {clean.eval_loss:.3f}. 'Within 2%' compares the final "
-        "held-out loss with it.",
+        "Two model families on the Markov corpus, 400 optimizer steps (600 for the persistent "
+        "fault): TinyGPT (a 2-layer pre-LN transformer) and RecurrentLM (a 2-layer LSTM). "
+        "'Within 2%' compares the final held-out loss with the clean guarded run's of the same "
+        "family. Unguarded runs clip at 1.0 and step every batch.",
         "",
-        "| fault | detected as | guard's actions | guarded: final loss | unguarded: final loss |",
-        "| --- | --- | --- | --- | --- |",
+        "| family | fault | detected as | guard's actions | guarded: final loss "
+        "| unguarded: final loss |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
-    for name, fault in FAULTS.items():
-        if name == "clean":
-            continue
-        steps = 600 if name == "persistent fault" else 400
-        with tempfile.TemporaryDirectory() as tmp:
-            guarded = run_scenario(fault, steps=steps, run_dir=tmp)
-        unguarded = run_scenario(fault, guarded=False, steps=steps)
-        incidents = [e for e in guarded.events if e.severity != "info" and e.kind != "rollback"]
-        first = incidents[0] if incidents else None
-        detected = f"{first.kind} at step {first.step}" if first else "nothing"
-        if first is not None and first.type:
-            detected += f" ({first.type})"
-        actions = {a: sum(d.action == a for d in guarded.decisions) for a in ("skip", "rollback")}
-        done = ", ".join(f"{n} {a}" for a, n in actions.items() if n)
-        if guarded.halted is not None:
-            done += ", halt"
+    share = {}
+    for family in FAMILIES:
+        clean = run_scenario(FAULTS["clean"], family=family)
+        within = {"guarded": 0, "unguarded": 0}
+        for name in [*RECOVERABLE, "persistent fault"]:
+            steps = 600 if name == "persistent fault" else 400
+            with tempfile.TemporaryDirectory() as tmp:
+                guarded = run_scenario(FAULTS[name], steps=steps, run_dir=tmp, family=family)
+            unguarded = run_scenario(FAULTS[name], guarded=False, steps=steps, family=family)
+            if name in RECOVERABLE:
+                within["guarded"] += _within(guarded.eval_loss, clean.eval_loss)
+                within["unguarded"] += _within(unguarded.eval_loss, clean.eval_loss)
+            rows.append(
+                f"| {family} | {name} | {_detected(guarded)} | {_actions(guarded)} "
+                f"| {_outcome(guarded, clean.eval_loss)} "
+                f"| {_outcome(unguarded, clean.eval_loss)} |"
+            )
+        share[family] = (within, clean.eval_loss)
+    n = len(RECOVERABLE)
+    rows.append("")
+    for family, (within, clean_loss) in share.items():
         rows.append(
-            f"| {name} | {detected} | {done or 'none'} | {_outcome(guarded, clean.eval_loss)} "
-            f"| {_outcome(unguarded, clean.eval_loss)} |"
+            f"{family} (clean {clean_loss:.3f}): {within['guarded']}/{n} guarded runs and "
+            f"{within['unguarded']}/{n} unguarded runs end within 2% of the clean run."
         )
+    rows.append(
+        "The persistent fault is not recoverable by design: the guard halts with a diagnosis. "
+        "The unguarded runs that end within 2% are the data faults that a small model, clipped "
+        "at 1.0 and stepped by Adam, outgrows in the steps left after them."
+    )
     return "\n".join(rows)
 
 
+def _within(loss: float, clean: float) -> bool:
+    return math.isfinite(loss) and abs(loss / clean - 1) <= 0.02
+
+
+def _detected(result) -> str:  # type: ignore[no-untyped-def]
+    incidents = [e for e in result.events if e.severity != "info" and e.kind != "rollback"]
+    first = incidents[0] if incidents else None
+    if first is None:
+        return "nothing"
+    revised = next(
+        (
+            e.type
+            for e in result.events
+            if e.kind == "spike_classified" and e.metrics.get("spike_step") == first.step
+        ),
+        first.type,
+    )
+    return f"{first.kind} at step {first.step}" + (f" ({revised})" if revised else "")
+
+
+def _actions(result) -> str:  # type: ignore[no-untyped-def]
+    actions = {a: sum(d.action == a for d in result.decisions) for a in ("skip", "rollback")}
+    done = ", ".join(f"{n} {a}" for a, n in actions.items() if n)
+    if result.halted is not None:
+        done += ", halt"
+    return done or "none"
+
+
 def _outcome(result, clean: float) -> str:  # type: ignore[no-untyped-def]
+    if not math.isfinite(result.eval_loss):
+        return "NaN"
     change = result.eval_loss / clean - 1
     verdict = "within 2%" if abs(change) <= 0.02 else f"{change:+.1%}"
     halted = " (halted with a diagnosis)" if result.halted is not None else ""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import trainguard as tg
@@ -88,3 +90,29 @@ def test_without_the_guard_the_same_faults_do_lasting_damage(clean):
     for name in ("LR x100 for 10 steps", "corrupted weights"):
         unguarded = run_scenario(FAULTS[name], guarded=False)
         assert unguarded.eval_loss > 1.1 * clean[0].eval_loss, name
+
+
+@pytest.fixture(scope="module")
+def clean_lstm():
+    return run_scenario(FAULTS["clean"], family="RecurrentLM")
+
+
+def test_lost_optimizer_state_is_read_as_an_explosion_and_rolled_back(clean, tmp_path):
+    out, events = run(tmp_path, FAULTS["optimizer state lost"])
+    (revised,) = [e for e in kinds(events, "spike_classified") if e["step"] <= 250]
+    assert revised["type"] == "gradient_explosion" and "stayed over 2x" in revised["message"]
+    assert kinds(events, "rollback")[0]["metrics"]["to_step"] < 240  # before the bad update
+    assert out.eval_loss == pytest.approx(clean[0].eval_loss, rel=0.02)
+
+
+@pytest.mark.parametrize(
+    "name", ["Inf gradients for 3 steps", "NaN batch", "decaying shard", "log(0) in a module"]
+)
+def test_the_lstm_family_recovers_too(clean_lstm, tmp_path, name):
+    out = run_scenario(FAULTS[name], family="RecurrentLM", run_dir=tmp_path)
+    assert out.halted is None
+    assert all(p.isfinite().all() for p in out.model.parameters())
+    assert out.eval_loss == pytest.approx(clean_lstm.eval_loss, rel=0.02)
+    if name != "decaying shard":  # the plain loop never recovers from a NaN or Inf update
+        unguarded = run_scenario(FAULTS[name], family="RecurrentLM", guarded=False)
+        assert math.isnan(unguarded.eval_loss)

@@ -94,12 +94,17 @@ class TextCorpus:
     def corrupt(self, batch: Batch, fraction: float, seed: int = 3) -> Batch:
         """The batch with `fraction` of its characters replaced by random ones, as in a shard
         that decays into noise."""
-        g = torch.Generator().manual_seed(seed)
-        windows = torch.cat((batch.x, batch.y[:, -1:]), dim=1)
-        noisy = torch.rand(windows.shape, generator=g) < fraction
-        random = torch.randint(self.vocab_size, windows.shape, generator=g)
-        windows = torch.where(noisy, random, windows)
-        return Batch(x=windows[:, :-1], y=windows[:, 1:], ids=batch.ids, toxic=True)
+        return corrupted(batch, self.vocab_size, fraction, seed)
+
+
+def corrupted(batch: Batch, vocab_size: int, fraction: float, seed: int = 3) -> Batch:
+    """`batch` with `fraction` of its tokens replaced by random ones of the vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    windows = torch.cat((batch.x, batch.y[:, -1:]), dim=1)
+    noisy = torch.rand(windows.shape, generator=g) < fraction
+    random = torch.randint(vocab_size, windows.shape, generator=g)
+    windows = torch.where(noisy, random, windows)
+    return Batch(x=windows[:, :-1], y=windows[:, 1:], ids=batch.ids, toxic=True)
 
 
 def _toxic(batch: Batch, seed: int, input_scale: float) -> Batch:

@@ -86,3 +86,32 @@ class TinyGPT(nn.Module):
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class RecurrentLM(nn.Module):
+    """An LSTM language model with TinyGPT's interface: embeddings, `n_layer` LSTM layers, a
+    residual MLP, a final norm and an LM head (the second model family of the fault suite)."""
+
+    def __init__(self, cfg: TinyGPTConfig | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg or TinyGPTConfig()
+        c = self.cfg
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        self.rnn = nn.LSTM(c.d_model, c.d_model, num_layers=c.n_layer, batch_first=True)
+        self.mlp = nn.Sequential(
+            nn.Linear(c.d_model, 4 * c.d_model),
+            nn.GELU(),
+            nn.Linear(4 * c.d_model, c.d_model),
+        )
+        self.ln_f = nn.LayerNorm(c.d_model)
+        self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor, input_scale: float = 1.0) -> torch.Tensor:
+        """Logits of shape (batch, time, vocab); `input_scale` multiplies the token embeddings."""
+        h, _ = self.rnn(self.tok_emb(idx) * input_scale)
+        h = h + self.mlp(h)
+        logits: torch.Tensor = self.head(self.ln_f(h))
+        return logits
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,5 +1,5 @@
-"""Planted-fault training runs of TinyGPT, guarded or not: the harness behind the recovery tests
-and benchmarks. Faults sit in the data (toxic batches, by position) or in time (by iteration)."""
+"""Planted-fault training runs of TinyGPT or RecurrentLM, guarded or not: the harness behind the
+recovery tests and benchmarks. Faults sit in the data (by position) or in time (by iteration)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,20 @@ from typing import Any
 import torch
 
 import trainguard as tg
-from trainguard.demo.data import MarkovCorpus
-from trainguard.demo.model import Block, TinyGPT
+from trainguard.demo.data import MarkovCorpus, corrupted
+from trainguard.demo.model import Block, RecurrentLM, TinyGPT
 
 LR = 3e-3
+FAMILIES: dict[str, type[TinyGPT] | type[RecurrentLM]] = {
+    "TinyGPT": TinyGPT,
+    "RecurrentLM": RecurrentLM,
+}
 
 
 @dataclass(frozen=True)
 class Fault:
-    """What goes wrong: toxic batches by data position, the rest by loop iteration."""
+    """What goes wrong: `toxic`, `nan_batch` and `shard` by data position, the rest by loop
+    iteration."""
 
     name: str = "clean"
     toxic: tuple[int, ...] = ()
@@ -27,6 +32,10 @@ class Fault:
     corrupt_at: int | None = None  # iteration at which the LM head's weights become 1000x
     log0_at: int | None = None  # iteration at which a module adds log(0) = -inf to its output
     persistent_from: int | None = None  # iteration from which ever-growing logit noise is added
+    overflow: tuple[int, ...] = ()  # iterations whose gradients overflow to Inf (as in fp16)
+    moments_lost_at: int | None = None  # iteration at which Adam's second moments are zeroed
+    nan_batch: int | None = None  # a batch whose inputs are NaN
+    shard: tuple[int, ...] = ()  # batches of a shard that decays into noise (5% to 100%)
 
 
 FAULTS = {
@@ -35,8 +44,14 @@ FAULTS = {
     "LR x100 for 10 steps": Fault("LR x100 for 10 steps", blowup=tuple(range(250, 260))),
     "20 toxic batches": Fault("20 toxic batches", toxic=tuple(range(200, 220))),
     "corrupted weights": Fault("corrupted weights", corrupt_at=260),
+    "log(0) in a module": Fault("log(0) in a module", log0_at=220),
+    "Inf gradients for 3 steps": Fault("Inf gradients for 3 steps", overflow=(230, 231, 232)),
+    "optimizer state lost": Fault("optimizer state lost", moments_lost_at=240),
+    "NaN batch": Fault("NaN batch", nan_batch=210),
+    "decaying shard": Fault("decaying shard", shard=tuple(range(240, 270))),
     "persistent fault": Fault("persistent fault", persistent_from=200),
 }
+RECOVERABLE = [name for name in FAULTS if name not in ("clean", "persistent fault")]
 
 
 @dataclass
@@ -45,7 +60,7 @@ class ScenarioResult:
     halted: tg.TrainingHalted | None
     decisions: list[tg.Decision] = field(default_factory=list)
     guard: tg.Guard | None = None
-    model: TinyGPT | None = None
+    model: TinyGPT | RecurrentLM | None = None
     losses: list[float] = field(default_factory=list)  # the training loss of each iteration
 
     @property
@@ -73,15 +88,21 @@ def run_scenario(
     steps: int = 400,
     run_dir: str | Path | None = None,
     config: tg.GuardConfig | None = None,
+    family: str = "TinyGPT",
 ) -> ScenarioResult:
-    """Train until `steps` optimizer steps are made (a rollback replays some), then evaluate on
-    held-out batches. Unguarded runs clip at 1.0 and step every batch."""
+    """Train a model of `family` until `steps` optimizer steps are made (a rollback replays
+    some), then evaluate on held-out batches. Unguarded runs clip at 1.0 and step every batch."""
     data = corpus()
     batches = list(data.batches(16, 32, steps + 4000, seed=1))
     for position in fault.toxic:
         batches[position] = data.make_toxic(batches[position], seed=position)
+    for k, position in enumerate(fault.shard):
+        fraction = 0.05 + 0.95 * k / max(len(fault.shard) - 1, 1)
+        batches[position] = corrupted(batches[position], data.vocab_size, fraction, position)
+    if fault.nan_batch is not None:
+        batches[fault.nan_batch].input_scale = float("nan")
     torch.manual_seed(0)
-    model = TinyGPT()
+    model = FAMILIES[family]()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     original_step = opt.step
     guard = None
@@ -92,9 +113,7 @@ def run_scenario(
     decisions: list[tg.Decision] = []
     losses: list[float] = []
     halted = None
-    block = model.blocks[0]
-    assert isinstance(block, Block)
-    log0 = LogZero(block.mlp)
+    log0 = LogZero(fault_module(model))
     source: Any = guard.batches(batches) if guard is not None else batches[:steps]
     try:
         for iteration, batch in enumerate(source):
@@ -109,6 +128,9 @@ def run_scenario(
             if iteration == fault.corrupt_at:
                 with torch.no_grad():
                     model.head.weight.mul_(1e3)
+            if iteration == fault.moments_lost_at:
+                for state in opt.state.values():
+                    state["exp_avg_sq"].zero_()
 
             def forward(batch: Any = batch, iteration: int = iteration) -> torch.Tensor:
                 logits = model(batch.x, batch.input_scale)
@@ -120,6 +142,9 @@ def run_scenario(
             loss = forward()
             losses.append(float(loss.detach()))
             loss.backward()  # type: ignore[no-untyped-call]
+            if iteration in fault.overflow:
+                with torch.no_grad():
+                    model.head.weight.grad.fill_(float("inf"))  # type: ignore[union-attr]
             if guard is not None:
                 decisions.append(guard.step(loss, batch_ids=batch.ids, replay=forward))
             else:
@@ -137,6 +162,16 @@ def run_scenario(
         evals = list(data.batches(32, 32, 8, seed=999))
         held_out = [float(model.loss(model(b.x), b.y)) for b in evals]
     return ScenarioResult(sum(held_out) / len(held_out), halted, decisions, guard, model, losses)
+
+
+def fault_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a planted log(0) goes into: the first block's MLP, or the LSTM's MLP."""
+    if isinstance(model, TinyGPT):
+        block = model.blocks[0]
+        assert isinstance(block, Block)
+        return block.mlp
+    assert isinstance(model, RecurrentLM)
+    return model.mlp
 
 
 class LogZero:

@@ -406,6 +406,8 @@ class LossSpikeDetector(Detector):
             w["back_steps"] += 1
             if w["back_at"] is None:
                 w["back_at"] = w["seen"]
+        if point.loss > self.config.ratio_threshold * w["level"]:
+            w["gross_steps"] = w.get("gross_steps", 0) + 1
         g, gm = point.grad_norm, w["grad_mean"]
         if g is not None and gm and g > GRAD_HIGH * gm:
             w["high_grad_steps"] += 1
@@ -425,6 +427,12 @@ class LossSpikeDetector(Detector):
         if back_at is not None and back_at <= 2 and back >= seen - 1 and w["high_grad_steps"] <= 1:
             new, confidence = "data_toxicity", 0.9
             why = f"the loss was back at its level {back_at} step(s) later"
+        elif seen > 1 and w.get("gross_steps", 0) >= seen - 1 and old == "data_toxicity":
+            new, confidence = "gradient_explosion", 0.8
+            why = (
+                f"the loss stayed over {self.config.ratio_threshold:g}x its level for "
+                f"{w['gross_steps']} steps"
+            )
         elif seen > 0 and back == 0:
             if old in ("architecture", "optimizer"):
                 confidence = max(confidence, 0.75)
