@@ -79,7 +79,7 @@ def test_loss_spike_works_early_while_loss_falls_fast():
 
 def test_ratio_rule_catches_gross_jump_even_with_wide_noise():
     rng = np.random.default_rng(3)
-    y = 3.0 + 0.4 * rng.standard_normal(500)  # noisy: 10 sigma is above 2x
+    y = 3.0 + 0.6 * rng.standard_normal(500)  # noisy: 10 sigma is above 2.5x
     y[300] = 3.0 * 2.5
     events = feed(LossSpikeDetector(), y)
     spikes = [e for e in events if e.kind == "loss_spike"]
@@ -165,21 +165,24 @@ def test_elevated_steps_that_come_back_join_the_baseline():
     assert det.pending == [] and len(det.window) == det.config.window
 
 
-def test_heavy_tails_raise_the_reach_and_raise_no_false_alarm():
+def test_heavy_tails_raise_the_reach_and_keep_false_alarms_to_its_budget():
     rng = np.random.default_rng(5)
-    heavy = 1.0 + 0.01 * rng.standard_t(4, 30_000)
+    heavy = 1.0 + 0.01 * rng.standard_t(4, 100_000)
     light = 1.0 + 0.01 * rng.standard_normal(30_000)
     det_heavy, det_light = LossSpikeDetector(), LossSpikeDetector()
-    assert not [e for e in feed(det_heavy, heavy) if e.kind == "loss_spike"]
+    naive = LossSpikeDetector(LossSpikeConfig(noise_reach_steps=100))  # a bare 10-sigma rule
+    # the budget is one noise draw in 200k steps beyond the reach: 0.5 expected here
+    assert len([e for e in feed(det_heavy, heavy) if e.kind == "loss_spike"]) <= 2
+    assert len([e for e in feed(naive, heavy) if e.kind == "loss_spike"]) >= 6
     assert not [e for e in feed(det_light, light) if e.kind == "loss_spike"]
     # Student-t(4) reaches about 20 standard deviations once in 200k steps; a Gaussian 4.4
-    assert 14 < det_heavy.reach < 30 and det_light.reach < 8
+    assert 15 < det_heavy.reach < 25 and det_light.reach < 8
     y = light.copy()
     y[29_000] += 0.12  # 12 deviations: a spike where the noise is light ...
     assert [e.step for e in feed(LossSpikeDetector(), y) if e.kind == "loss_spike"] == [29_000]
-    y = heavy.copy()
+    y = heavy[:30_000].copy()
     y[29_000] += 0.12  # ... and within what heavy-tailed noise reaches
-    assert not [e for e in feed(LossSpikeDetector(), y) if e.kind == "loss_spike"]
+    assert 29_000 not in [e.step for e in feed(LossSpikeDetector(), y) if e.kind == "loss_spike"]
 
 
 def test_spike_type_gradient_explosion_at_once_when_grad_norm_builds_up():

@@ -15,12 +15,12 @@ from trainguard.config import LossSpikeConfig
 from trainguard.detectors.base import Detector, MetricPoint, SpikeRun, fmt
 from trainguard.detectors.series import (
     MetricSeries,
-    ema,
     first_true,
     noise_sigmas,
     rolling_median,
     stop_at,
     trailing_means,
+    warm_ema,
 )
 from trainguard.detectors.stats import (
     detrended,
@@ -28,7 +28,7 @@ from trainguard.detectors.stats import (
     mann_kendall_z,
     mean,
     median,
-    noise_sigma,
+    noise_and_drift,
 )
 from trainguard.events import Event, Severity, SpikeType
 
@@ -43,8 +43,8 @@ Z_BINS = 100
 TAIL_MIN_SAMPLES = 2000  # |z| values counted before the tails are read
 TAIL_BEYOND = 10  # the tails are read at the quantile with this many values beyond it, or beyond
 MAX_TAIL = 3.0  # the widest the persistence threshold gets
+TAIL_SPAN = 10.0  # the lower quantile lies this many times further in than the upper one
 MAX_TAIL_POWER = 0.5  # the reach grows at most as a tail this heavy (Student-t, nu = 2) would
-UNREAD_REACH = 1.0  # x z_threshold: the reach assumed before TAIL_MIN_SAMPLES are counted
 MAX_REACH = 40.0  # noise standard deviations: the furthest the reach goes (Student-t nu=3: 35)
 NOISE_EVERY = 16  # steps between re-estimates of the recent noise (it moves slowly)
 
@@ -103,17 +103,18 @@ class LossSpikeDetector(Detector):
     its recent non-spike level, or over `ratio_threshold` x the recent mean (README: how the
     level, noise and spike type are estimated)."""
 
-    # The level is the median of the latest `level_window` baseline losses; the noise is the
-    # larger of a recent winsorised estimate from first differences (immune to the fast early
-    # fall) and a long-run average over `noise_horizon`. The z threshold is also at least the
-    # noise's reach: how far |z| goes once in `noise_reach_steps`, extrapolated from two upper
-    # quantiles of past |z| (`tail_quantile` and ten times further in) as a power-law tail. A
-    # jump that stays over `persist_z`, widened by how far the upper quantile lies beyond a
-    # Gaussian's, for `persist_steps` steps is a spike too (until the tails are read, the reach
-    # is z_threshold and the widening 1); those steps join the
-    # baseline only if the loss comes back before that. A spike lasts until the loss falls back
-    # under half `persist_z`; one lasting a quarter of the window becomes the new level.
-    # `spike_classified` revises the type after `classify_window` steps.
+    # The level is the median of the latest `level_window` baseline losses; the noise is the larger
+    # of a recent winsorised estimate from first differences and a long-run mean (an EMA over
+    # `noise_horizon` once that many are in), both less the drift, so that neither the fast early
+    # fall nor the larger noise of the first steps is read as noise later. The z threshold is also
+    # at least the noise's reach: how far |z| goes once in `noise_reach_steps`, extrapolated from
+    # two upper quantiles of past |z| (`tail_quantile` and ten times further in) as a power-law
+    # tail. A jump that stays over `persist_z`, widened by how far the upper quantile lies beyond a
+    # Gaussian's, for `persist_steps` steps is a spike too (until TAIL_MIN_SAMPLES are counted, the
+    # reach is 0 and the widening 1); those steps join the baseline only if the loss comes back
+    # before that. A spike lasts until the loss falls back under half `persist_z`; one lasting a
+    # quarter of the window becomes the new level. `spike_classified` revises the type after
+    # `classify_window` steps.
 
     name = "loss_spike"
     _state = (
@@ -128,6 +129,8 @@ class LossSpikeDetector(Detector):
         "tail",
         "reach",
         "short",
+        "drift",
+        "noise_count",
         "noise_age",
         "pending",
     )
@@ -143,8 +146,10 @@ class LossSpikeDetector(Detector):
         self.z_hist: list[float] = [0.0] * Z_BINS
         self.z_total = 0.0
         self.tail = 1.0
-        self.reach = UNREAD_REACH * self.config.z_threshold  # until the tails are read
+        self.reach = 0.0  # until the tails are read: the z threshold alone
         self.short = 0.0
+        self.drift = 0.0  # the median step-to-step change: the trend, kept out of the noise
+        self.noise_count = 0  # values in the long-run noise: its running mean until the horizon
         self.noise_age = 0
         self.pending: list[list[Any]] = []  # [step, loss, grad_norm, z] of elevated steps
 
@@ -165,7 +170,7 @@ class LossSpikeDetector(Detector):
         level = median(recent[-cfg.level_window :])
         base_mean = mean(recent)
         if self.noise_age % NOISE_EVERY == 0:
-            self.short = noise_sigma(recent)
+            self.short, self.drift = noise_and_drift(recent)
         self.noise_age += 1
         short = self.short
         if self.noise_var is None:
@@ -273,14 +278,18 @@ class LossSpikeDetector(Detector):
         ages = self.noise_age + np.arange(m)
         refresh = np.flatnonzero(ages % NOISE_EVERY == 0)
         short = np.full(m, self.short)
+        drift = np.full(m, self.drift)
         if len(refresh):
             rows = sliding_window_view(v[:-1], w)[refresh]
-            fresh = noise_sigmas(rows)
+            fresh, fresh_drift = noise_sigmas(rows)
             which = np.searchsorted(refresh, np.arange(m), side="right") - 1
             short = np.where(which >= 0, fresh[np.maximum(which, 0)], self.short)
+            drift = np.where(which >= 0, fresh_drift[np.maximum(which, 0)], self.drift)
         prev = np.concatenate(([self.last], losses[:-1]))
-        diffs = losses - prev
-        noise_var = ema(0.5 * diffs * diffs, self.noise_var, 1.0 / cfg.noise_horizon)
+        diffs = losses - prev - drift
+        noise_var = warm_ema(
+            0.5 * diffs * diffs, self.noise_var, self.noise_count, cfg.noise_horizon
+        )
         sigma = np.maximum(short, np.sqrt(noise_var[:-1]))
         jump = losses - level
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -308,6 +317,8 @@ class LossSpikeDetector(Detector):
         self.noise_var = float(noise_var[f])
         self.last = float(losses[f - 1])
         self.short = float(short[f - 1])
+        self.drift = float(drift[f - 1])
+        self.noise_count += f
         self.noise_age += f
         counts = int(before[f - 1] + counted[f - 1])
         self.tail, self.reach = tails.tail_after(counts)
@@ -323,20 +334,21 @@ class LossSpikeDetector(Detector):
         histogram; the quantiles move in from `tail_quantile` while few values are counted."""
         upper = max(1.0 - self.config.tail_quantile, TAIL_BEYOND / total)
         q_hi = _quantile(hist, total, upper)
-        q_lo = _quantile(hist, total, min(10 * upper, 0.5))
+        q_lo = _quantile(hist, total, min(TAIL_SPAN * upper, 0.5))
         gauss = NormalDist().inv_cdf(1.0 - upper / 2)
         tail = min(max(1.0, q_hi / gauss), MAX_TAIL)
         if q_lo <= 0 or q_hi <= q_lo:
             return tail, min(q_hi, MAX_REACH)
         budget = 2.0 / self.config.noise_reach_steps  # |z| counts both tails
-        power = min(math.log10(q_hi / q_lo), MAX_TAIL_POWER)
+        power = min(math.log(q_hi / q_lo) / math.log(TAIL_SPAN), MAX_TAIL_POWER)
         return tail, min(q_hi * (upper / budget) ** power, MAX_REACH)
 
     def _accept(self, loss: float, grad_norm: float | None, z: float | None) -> None:
         """Add a non-spike step to the baseline and to the long-run noise and tail estimates."""
         if self.last is not None and self.noise_var is not None:
-            a = 1.0 / self.config.noise_horizon
-            d = loss - self.last
+            self.noise_count += 1
+            a = max(1.0 / self.config.noise_horizon, 1.0 / self.noise_count)
+            d = loss - self.last - self.drift
             self.noise_var = (1 - a) * self.noise_var + a * 0.5 * d * d
         self.last = loss
         self.window.append(loss)

@@ -114,19 +114,19 @@ def rolling_median(values: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
-def noise_sigmas(rows: np.ndarray) -> np.ndarray:
-    """`stats.noise_sigma` of each row, vectorised."""
+def noise_sigmas(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`stats.noise_and_drift` of each row, vectorised: (noises, drifts)."""
     diffs = np.diff(rows, axis=1)
     n = diffs.shape[1]
     if n < 2:
-        return np.zeros(len(rows))
+        return np.zeros(len(rows)), np.zeros(len(rows))
     centre = _median_rows(diffs)  # reorders the rows in place; what follows ignores order
     dev = diffs - centre
     mad = _median_rows(np.abs(dev))
     limit = 6.0 * 1.4826 * mad
     clipped = np.where(limit > 0, np.clip(dev, -limit, limit), dev)
     out: np.ndarray = np.sqrt(np.sum(clipped * clipped, axis=1) / n / 2.0)
-    return out
+    return out, centre[:, 0]
 
 
 def _median_rows(rows: np.ndarray) -> np.ndarray:
@@ -157,4 +157,18 @@ def ema(x: np.ndarray, start: float, alpha: float) -> np.ndarray:
         seg = powers * y + alpha * powers * acc
         out[s + 1 : s + 1 + len(xs)] = seg
         y = float(seg[-1])
+    return out
+
+
+def warm_ema(x: np.ndarray, start: float, count: int, horizon: int) -> np.ndarray:
+    """The running mean of the first values, then an EMA over `horizon`: y[k+1] = y[k] + a (x[k]
+    - y[k]) with a = max(1 / horizon, 1 / n), n counting the values (`count` seen before)."""
+    out = np.empty(len(x) + 1)
+    out[0] = start
+    warm = min(len(x), max(horizon - count, 0))
+    if warm:
+        n = count + np.arange(1, warm + 1)
+        out[1 : warm + 1] = (count * start + np.cumsum(x[:warm])) / n
+    if warm < len(x):
+        out[warm:] = ema(x[warm:], float(out[warm]), 1.0 / horizon)
     return out

@@ -24,15 +24,16 @@ def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def noise_sigma(values: Sequence[float]) -> float:
-    """Step-to-step noise of a series, from its first differences, robust to trend and outliers.
+def noise_and_drift(values: Sequence[float]) -> tuple[float, float]:
+    """Step-to-step noise of a series and its drift (the median first difference), both from
+    its first differences, robust to trend and outliers.
 
-    The differences are winsorised at 6 MADs and their RMS divided by sqrt(2); this keeps heavy
-    tails in the estimate (unlike a bare MAD) while one outlier cannot inflate it.
+    The differences less the drift are winsorised at 6 MADs and their RMS divided by sqrt(2);
+    this keeps heavy tails in the estimate (unlike a bare MAD) while one outlier cannot inflate it.
     """
     diffs = [b - a for a, b in itertools.pairwise(values)]
     if len(diffs) < 2:
-        return 0.0
+        return 0.0, 0.0
     centre = median(diffs)
     mad = median([abs(d - centre) for d in diffs])
     limit = 6.0 * MAD_TO_SIGMA * mad
@@ -40,7 +41,7 @@ def noise_sigma(values: Sequence[float]) -> float:
         diffs = [min(max(d - centre, -limit), limit) for d in diffs]
     else:
         diffs = [d - centre for d in diffs]
-    return math.sqrt(sum(d * d for d in diffs) / len(diffs) / 2.0)
+    return math.sqrt(sum(d * d for d in diffs) / len(diffs) / 2.0), centre
 
 
 def mann_kendall_z(values: Sequence[float]) -> float:
