@@ -48,7 +48,10 @@ class Plan:
             ("toxic batch", f"batch {self.toxic_at}"),
             ("LR blow-up (x100)", f"iterations {self.blowup.start}-{self.blowup.stop - 1}"),
             ("NaN in blocks.1.mlp (log 0)", f"iteration {self.nan_at}"),
-            ("divergence (a shard decays into noise)", f"batches {self.shard.start}-"),
+            (
+                "divergence (a shard decays into noise)",
+                f"batches {self.shard.start}-{self.shard.stop - 1}",
+            ),
         ]
 
 
@@ -117,7 +120,7 @@ def run_demo(
     planted.add_column("incident")
     planted.add_column("where")
     for name, where in plan.rows():
-        planted.add_row(name, where + (f"{plan.shard.stop - 1}" if where.endswith("-") else ""))
+        planted.add_row(name, where)
     console.print(planted)
     columns = (
         TextColumn("{task.description:>9}"),
@@ -261,7 +264,7 @@ def _incidents(runs: dict[str, DemoRun], plan: Plan, data: list[Batch]) -> list[
         rows.append(row)
         if start is None:
             continue
-        window = [d for it, d in guarded.decisions if start <= it < start + span or it == -1]
+        window = [d for it, d in guarded.decisions if start <= it < start + span]
         events = [e for d in window for e in d.events]
         alarm = next((e for e in events if e.kind in ALARMS), None)
         if alarm is None:
