@@ -44,13 +44,7 @@ class MarkovCorpus:
 
     def batches(self, batch_size: int, seq_len: int, steps: int, seed: int = 1) -> Iterator[Batch]:
         """`steps` batches of random windows, the same sequence for the same seed."""
-        g = torch.Generator().manual_seed(seed)
-        high = len(self.tokens) - seq_len - 1
-        for _ in range(steps):
-            starts = torch.randint(high, (batch_size,), generator=g)
-            offsets = torch.arange(seq_len + 1)
-            windows = self.tokens[starts[:, None] + offsets[None, :]]
-            yield Batch(x=windows[:, :-1], y=windows[:, 1:], ids=starts.tolist())
+        return _windows(self.tokens, batch_size, seq_len, steps, seed)
 
     def make_toxic(self, batch: Batch, seed: int = 2, input_scale: float = 8.0) -> Batch:
         """The same batch with its targets shuffled and its inputs scaled: one bad batch."""
@@ -79,13 +73,7 @@ class TextCorpus:
     ) -> Iterator[Batch]:
         """`steps` batches of random windows, the same sequence for the same seed."""
         tokens = self.held_out if held_out else self.tokens
-        g = torch.Generator().manual_seed(seed)
-        high = len(tokens) - seq_len - 1
-        offsets = torch.arange(seq_len + 1)
-        for _ in range(steps):
-            starts = torch.randint(high, (batch_size,), generator=g)
-            windows = tokens[starts[:, None] + offsets[None, :]]
-            yield Batch(x=windows[:, :-1], y=windows[:, 1:], ids=starts.tolist())
+        return _windows(tokens, batch_size, seq_len, steps, seed)
 
     def make_toxic(self, batch: Batch, seed: int = 2, input_scale: float = 8.0) -> Batch:
         """The same batch with its targets shuffled and its inputs scaled: one bad batch."""
@@ -112,3 +100,16 @@ def _toxic(batch: Batch, seed: int, input_scale: float) -> Batch:
     perm = torch.randperm(batch.y.numel(), generator=g)
     y = batch.y.reshape(-1)[perm].reshape(batch.y.shape)
     return Batch(x=batch.x, y=y, ids=batch.ids, input_scale=input_scale, toxic=True)
+
+
+def _windows(
+    tokens: torch.Tensor, batch_size: int, seq_len: int, steps: int, seed: int
+) -> Iterator[Batch]:
+    """`steps` batches of `batch_size` random windows of `tokens`; ids are the start offsets."""
+    g = torch.Generator().manual_seed(seed)
+    high = len(tokens) - seq_len - 1
+    offsets = torch.arange(seq_len + 1)
+    for _ in range(steps):
+        starts = torch.randint(high, (batch_size,), generator=g)
+        windows = tokens[starts[:, None] + offsets[None, :]]
+        yield Batch(x=windows[:, :-1], y=windows[:, 1:], ids=starts.tolist())

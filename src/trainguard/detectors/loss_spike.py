@@ -197,9 +197,7 @@ class LossSpikeDetector(Detector):
             self.run.end()
         if not (z_rule or ratio_rule):
             if not elevated:
-                for _, value, grad, z_value in self.pending:  # it was noise after all
-                    self._accept(value, grad, z_value)
-                self.pending.clear()
+                self._release_pending()  # it was noise after all
                 self._accept(loss, point.grad_norm, z)
                 return events
             self.pending.append([point.step, loss, point.grad_norm, z])
@@ -207,9 +205,7 @@ class LossSpikeDetector(Detector):
                 return events
             swing = self._swing(list(self.window))
             if swing is not None and jump < SWING_JUMP * swing[2]:  # a swing's top, not a jump
-                for _, value, grad, z_value in self.pending:
-                    self._accept(value, grad, z_value)
-                self.pending.clear()
+                self._release_pending()
                 return events
         values = [p[1] for p in self.pending] + ([loss] if z_rule or ratio_rule else [])
         since = int(self.pending[0][0]) if self.pending else point.step
@@ -264,9 +260,7 @@ class LossSpikeDetector(Detector):
         full = len(self.window) == self.window.maxlen
         if self.watch is not None or self.run.active or self.pending or not full:
             return start
-        if self.noise_var is None:
-            return start
-        if self.last is None:
+        if self.noise_var is None or self.last is None:
             return start
         idx, losses = series.finite_losses(start)
         m, w = len(losses), cfg.window
@@ -342,6 +336,12 @@ class LossSpikeDetector(Detector):
         budget = 2.0 / self.config.noise_reach_steps  # |z| counts both tails
         power = min(math.log(q_hi / q_lo) / math.log(TAIL_SPAN), MAX_TAIL_POWER)
         return tail, min(q_hi * (upper / budget) ** power, MAX_REACH)
+
+    def _release_pending(self) -> None:
+        """The elevated steps held back were noise: they join the baseline in order."""
+        for _, value, grad, z_value in self.pending:
+            self._accept(value, grad, z_value)
+        self.pending.clear()
 
     def _accept(self, loss: float, grad_norm: float | None, z: float | None) -> None:
         """Add a non-spike step to the baseline and to the long-run noise and tail estimates."""
