@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from statistics import NormalDist
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ from trainguard.detectors import (
     VanishingGradientDetector,
 )
 from trainguard.detectors.base import Detector
+from trainguard.detectors.stats import student_t_reach
 
 from helpers import lm_curve
 
@@ -183,6 +185,48 @@ def test_heavy_tails_raise_the_reach_and_keep_false_alarms_to_its_budget():
     y = heavy[:30_000].copy()
     y[29_000] += 0.12  # ... and within what heavy-tailed noise reaches
     assert 29_000 not in [e.step for e in feed(LossSpikeDetector(), y) if e.kind == "loss_spike"]
+
+
+def _t3_beyond(x: float) -> float:
+    """The share of |T| beyond x for Student's t with 3 degrees of freedom (closed form)."""
+    return 1 - 2 / math.pi * (x / (math.sqrt(3) * (1 + x * x / 3)) + math.atan(x / math.sqrt(3)))
+
+
+def _t3_quantile(share: float) -> float:
+    lo, hi = 0.0, 1e4
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t3_beyond(mid) > share else (lo, mid)
+    return lo
+
+
+def test_student_t_reach_extrapolates_gaussian_and_heavy_tails_from_the_body():
+    gauss = NormalDist()
+    q = [gauss.inv_cdf(1 - p / 2) for p in (0.02, 0.2)]
+    assert student_t_reach(q[0], 0.02, q[1], 0.2, 1e-5) == pytest.approx(4.417, rel=0.01)
+    q = [_t3_quantile(p) for p in (0.02, 0.2)]
+    assert student_t_reach(q[0], 0.02, q[1], 0.2, 1e-5) == pytest.approx(60.4, rel=0.02)
+
+
+def test_the_tails_are_read_in_the_first_few_hundred_steps():
+    """Before 2000 z-scores are in, a Student-t fitted to the lower tail of the noise gives the
+    reach: heavy-tailed noise early in a run is not a string of spikes, and a spike on light
+    noise still is."""
+    rng = np.random.default_rng(8)
+    alarms = bare_alarms = 0
+    for _ in range(30):
+        heavy = 1.0 + 0.01 * rng.standard_t(3, 2000)
+        det = LossSpikeDetector()
+        alarms += len([e for e in feed(det, heavy) if e.kind == "loss_spike"])
+        assert det.reach > 10 and det.z_total < 2000
+        bare = LossSpikeDetector(LossSpikeConfig(noise_reach_steps=100))  # a bare 10-sigma rule
+        bare_alarms += len([e for e in feed(bare, heavy) if e.kind == "loss_spike"])
+    assert 2 * alarms <= bare_alarms
+    light = 1.0 + 0.01 * rng.standard_normal(1500)
+    light[1200] += 0.15  # 15 deviations
+    det = LossSpikeDetector()
+    assert [e.step for e in feed(det, light) if e.kind == "loss_spike"] == [1200]
+    assert det.reach < 8
 
 
 def test_spike_type_gradient_explosion_at_once_when_grad_norm_builds_up():

@@ -29,6 +29,7 @@ from trainguard.detectors.stats import (
     mean,
     median,
     noise_and_drift,
+    student_t_reach,
 )
 from trainguard.events import Event, Severity, SpikeType
 
@@ -40,7 +41,9 @@ PERIOD_ACF = 0.35  # autocorrelation at the dominant period that reads as oscill
 GRAD_HIGH = 2.0  # grad norm over this x its baseline mean counts as elevated
 Z_BIN = 0.25  # width of the |z| histogram bins that measure how heavy the noise tails are
 Z_BINS = 100
-TAIL_MIN_SAMPLES = 2000  # |z| values counted before the tails are read
+LOW_BINS = 2 * Z_BINS  # the signed histogram of the first steps' noise, -25 to 25
+TAIL_FIT_SAMPLES = 100  # |z| values counted before the tails are first read
+TAIL_MIN_SAMPLES = 2000  # |z| values counted before they are read as a power law from both sides
 TAIL_BEYOND = 10  # the tails are read at the quantile with this many values beyond it, or beyond
 MAX_TAIL = 3.0  # the widest the persistence threshold gets
 TAIL_SPAN = 10.0  # the lower quantile lies this many times further in than the upper one
@@ -53,10 +56,12 @@ class _TailCounts:
     """`LossSpikeDetector._count_z` over many |z| bins at once: the histogram, count and tail
     factor after any number of them, without replaying them one by one."""
 
-    def __init__(self, detector: LossSpikeDetector, bins: np.ndarray) -> None:
+    def __init__(self, detector: LossSpikeDetector, bins: np.ndarray, low_bins: np.ndarray) -> None:
         self.detector = detector
         self.bins = bins
+        self.low_bins = low_bins
         self.hist0 = np.asarray(detector.z_hist, dtype=np.float64)
+        self.low0 = np.asarray(detector.low_hist, dtype=np.float64)
         self.halve_at = 20 * detector.config.noise_horizon
         t0 = detector.z_total
         self.totals: np.ndarray | None = None
@@ -69,8 +74,10 @@ class _TailCounts:
         # the running count after each value, and the halvings up to it
         self.totals = np.where(after, half + (q - first_halving) % half, int(t0) + q)
         self.halvings = np.where(after, 1 + (q - first_halving) // half, 0)
-        recount = (self.totals >= TAIL_MIN_SAMPLES) & (self.totals % 100 == 0)
+        recount = (self.totals >= TAIL_FIT_SAMPLES) & (self.totals % 100 == 0)
         self.recounts = np.flatnonzero(recount) + 1  # counts after which the tail is recomputed
+        # a value joins the signed histogram while fewer than TAIL_MIN_SAMPLES are counted
+        self.low_counted = np.concatenate(([t0], self.totals[:-1])) < TAIL_MIN_SAMPLES
         self.cache: dict[int, tuple[float, float]] = {}
 
     def total_after(self, c: int) -> float:
@@ -87,6 +94,12 @@ class _TailCounts:
         out: np.ndarray = counted + self.hist0 * 2.0 ** -float(h[-1])
         return out
 
+    def low_after(self, c: int) -> np.ndarray:
+        """The signed histogram once `c` values are counted (it stops at TAIL_MIN_SAMPLES)."""
+        counted = np.bincount(self.low_bins[:c][self.low_counted[:c]], minlength=LOW_BINS)
+        out: np.ndarray = self.low0 + counted
+        return out
+
     def tail_after(self, c: int) -> tuple[float, float]:
         """The tail factor and the noise's reach in force once `c` values are counted."""
         k = int(np.searchsorted(self.recounts, c, side="right"))
@@ -94,7 +107,9 @@ class _TailCounts:
             return self.detector.tail, self.detector.reach
         r = int(self.recounts[k - 1])
         if r not in self.cache:
-            self.cache[r] = self.detector._tail_of(self.hist_after(r), self.total_after(r))
+            self.cache[r] = self.detector._tail_of(
+                self.hist_after(r), self.total_after(r), self.low_after(r)
+            )
         return self.cache[r]
 
 
@@ -109,12 +124,14 @@ class LossSpikeDetector(Detector):
     # fall nor the larger noise of the first steps is read as noise later. The z threshold is also
     # at least the noise's reach: how far |z| goes once in `noise_reach_steps`, extrapolated from
     # two upper quantiles of past |z| (`tail_quantile` and ten times further in) as a power-law
-    # tail. A jump that stays over `persist_z`, widened by how far the upper quantile lies beyond a
-    # Gaussian's, for `persist_steps` steps is a spike too (until TAIL_MIN_SAMPLES are counted, the
-    # reach is 0 and the widening 1); those steps join the baseline only if the loss comes back
-    # before that. A spike lasts until the loss falls back under half `persist_z`; one lasting a
-    # quarter of the window becomes the new level. `spike_classified` revises the type after
-    # `classify_window` steps.
+    # tail. Until TAIL_MIN_SAMPLES are counted, the reach is instead that of a Student-t fitted to
+    # the lower tail of the noise (below its median, where spikes and bumps never land, taken from
+    # where the drift has moved the level: a fast fall is not a tail), read from TAIL_FIT_SAMPLES
+    # on (0 before). A jump that stays over `persist_z`, widened by how far the upper quantile lies
+    # beyond a Gaussian's (1 until TAIL_MIN_SAMPLES), for `persist_steps` steps is a spike too;
+    # those steps join the baseline only if the loss comes back before that. A spike lasts until
+    # the loss falls back under half `persist_z`; one lasting a quarter of the window becomes the
+    # new level. `spike_classified` revises the type after `classify_window` steps.
 
     name = "loss_spike"
     _state = (
@@ -133,6 +150,7 @@ class LossSpikeDetector(Detector):
         "noise_count",
         "noise_age",
         "pending",
+        "low_hist",
     )
 
     def __init__(self, config: LossSpikeConfig | None = None) -> None:
@@ -151,7 +169,8 @@ class LossSpikeDetector(Detector):
         self.drift = 0.0  # the median step-to-step change: the trend, kept out of the noise
         self.noise_count = 0  # values in the long-run noise: its running mean until the horizon
         self.noise_age = 0
-        self.pending: list[list[Any]] = []  # [step, loss, grad_norm, z] of elevated steps
+        self.pending: list[list[Any]] = []  # [step, loss, grad_norm, z, below] of elevated steps
+        self.low_hist: list[float] = [0.0] * LOW_BINS  # signed `below` of the first steps
 
     def update(self, point: MetricPoint) -> list[Event]:
         if not point.loss_finite:
@@ -178,6 +197,8 @@ class LossSpikeDetector(Detector):
         sigma = max(short, math.sqrt(self.noise_var))
         jump = loss - level
         z = jump / sigma if sigma > 0 else (math.inf if jump > 0 else 0.0)
+        # the deviation from where the drift has taken the level by now: the noise's own
+        below = (jump - self._lag * self.drift) / sigma if sigma > 0 else 0.0
         ratio = loss / base_mean if base_mean > 0 else math.nan
         threshold = max(cfg.z_threshold, self.reach)
         big = jump > cfg.min_rel_jump * abs(level)
@@ -198,9 +219,9 @@ class LossSpikeDetector(Detector):
         if not (z_rule or ratio_rule):
             if not elevated:
                 self._release_pending()  # it was noise after all
-                self._accept(loss, point.grad_norm, z)
+                self._accept(loss, point.grad_norm, z, below)
                 return events
-            self.pending.append([point.step, loss, point.grad_norm, z])
+            self.pending.append([point.step, loss, point.grad_norm, z, below])
             if len(self.pending) < cfg.persist_steps:
                 return events
             swing = self._swing(list(self.window))
@@ -290,8 +311,10 @@ class LossSpikeDetector(Detector):
             z = np.where(sigma > 0, jump / sigma, np.where(jump > 0, np.inf, 0.0))
         counted = np.isfinite(z)
         bins = np.minimum(np.abs(z[counted]) / Z_BIN, Z_BINS - 1).astype(np.int64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            below = np.where(sigma > 0, (jump - self._lag * drift) / sigma, 0.0)
         before = np.concatenate(([0], np.cumsum(counted)))[:-1]  # counts before each step
-        tails = _TailCounts(self, bins)
+        tails = _TailCounts(self, bins, _low_bin(below[counted]))
         if tails.totals is None:
             return start
         ratio_rule = (base_mean > 0) & (losses > cfg.ratio_threshold * base_mean)
@@ -317,15 +340,25 @@ class LossSpikeDetector(Detector):
         counts = int(before[f - 1] + counted[f - 1])
         self.tail, self.reach = tails.tail_after(counts)
         self.z_hist = tails.hist_after(counts).tolist()
+        self.low_hist = tails.low_after(counts).tolist()
         self.z_total = tails.total_after(counts)
         if series.grad_norm is not None:
             g = series.grad_norm[idx[:f]]
             self.grads.extend(g[np.isfinite(g)][-w:].tolist())
         return stop_at(idx, first, series, start)
 
-    def _tail_of(self, hist: np.ndarray, total: float) -> tuple[float, float]:
+    @property
+    def _lag(self) -> float:
+        """Steps the level (a median of the latest `level_window` losses) lags the loss by."""
+        return (self.config.level_window + 1) / 2
+
+    def _tail_of(self, hist: np.ndarray, total: float, low: np.ndarray) -> tuple[float, float]:
         """The persistence widening and the noise's reach (see the class comment) from the |z|
-        histogram; the quantiles move in from `tail_quantile` while few values are counted."""
+        histogram, or early from the signed one; the quantiles move in from `tail_quantile`
+        while few values are counted."""
+        budget = 2.0 / self.config.noise_reach_steps  # |z| counts both tails
+        if total < TAIL_MIN_SAMPLES:
+            return 1.0, min(self._lower_reach(low, budget), MAX_REACH)
         upper = max(1.0 - self.config.tail_quantile, TAIL_BEYOND / total)
         q_hi = _quantile(hist, total, upper)
         q_lo = _quantile(hist, total, min(TAIL_SPAN * upper, 0.5))
@@ -333,17 +366,33 @@ class LossSpikeDetector(Detector):
         tail = min(max(1.0, q_hi / gauss), MAX_TAIL)
         if q_lo <= 0 or q_hi <= q_lo:
             return tail, min(q_hi, MAX_REACH)
-        budget = 2.0 / self.config.noise_reach_steps  # |z| counts both tails
         power = min(math.log(q_hi / q_lo) / math.log(TAIL_SPAN), MAX_TAIL_POWER)
         return tail, min(q_hi * (upper / budget) ** power, MAX_REACH)
 
+    def _lower_reach(self, low: np.ndarray, budget: float) -> float:
+        """The reach of a Student-t fitted to the lower tail of the first steps' noise (under
+        its median, where no spike or bump lands), mirrored above."""
+        half = float(low.sum()) / 2
+        if half <= 0:
+            return 0.0
+        upper = max(1.0 - self.config.tail_quantile, TAIL_BEYOND / half)
+        lower = min(TAIL_SPAN * upper, 0.5)
+        centre = _signed_quantile(low, 0.5)
+        q_hi = centre - _signed_quantile(low, upper / 2)
+        q_lo = centre - _signed_quantile(low, lower / 2)
+        if q_lo <= 0 or q_hi <= q_lo:
+            return q_hi
+        return student_t_reach(q_hi, upper, q_lo, lower, budget)
+
     def _release_pending(self) -> None:
         """The elevated steps held back were noise: they join the baseline in order."""
-        for _, value, grad, z_value in self.pending:
-            self._accept(value, grad, z_value)
+        for _, value, grad, z_value, below in self.pending:
+            self._accept(value, grad, z_value, below)
         self.pending.clear()
 
-    def _accept(self, loss: float, grad_norm: float | None, z: float | None) -> None:
+    def _accept(
+        self, loss: float, grad_norm: float | None, z: float | None, below: float | None = None
+    ) -> None:
         """Add a non-spike step to the baseline and to the long-run noise and tail estimates."""
         if self.last is not None and self.noise_var is not None:
             self.noise_count += 1
@@ -355,6 +404,8 @@ class LossSpikeDetector(Detector):
         if grad_norm is not None and math.isfinite(grad_norm):
             self.grads.append(grad_norm)
         if z is not None and math.isfinite(z):
+            if below is not None and self.z_total < TAIL_MIN_SAMPLES:
+                self.low_hist[min(max(math.floor(below / Z_BIN) + Z_BINS, 0), LOW_BINS - 1)] += 1.0
             self._count_z(abs(z))
 
     def _count_z(self, z: float) -> None:
@@ -363,8 +414,10 @@ class LossSpikeDetector(Detector):
         if self.z_total >= 20 * self.config.noise_horizon:  # forget slowly: halve old counts
             self.z_hist = [c / 2 for c in self.z_hist]
             self.z_total /= 2
-        if self.z_total >= TAIL_MIN_SAMPLES and int(self.z_total) % 100 == 0:
-            self.tail, self.reach = self._tail_of(np.asarray(self.z_hist), self.z_total)
+        if self.z_total >= TAIL_FIT_SAMPLES and int(self.z_total) % 100 == 0:
+            self.tail, self.reach = self._tail_of(
+                np.asarray(self.z_hist), self.z_total, np.asarray(self.low_hist)
+            )
 
     def _classify(self, point: MetricPoint, held: int = 1) -> tuple[SpikeType, float, str]:
         """First guess of the cause from what came before the spike and how long it has held."""
@@ -473,6 +526,22 @@ class LossSpikeDetector(Detector):
             type=new,
             confidence=confidence,
         )
+
+
+def _low_bin(values: np.ndarray) -> np.ndarray:
+    """The bins of signed values in the histogram of `low_hist` (Z_BIN wide, -25 to 25)."""
+    bins: np.ndarray = np.clip(np.floor(values / Z_BIN) + Z_BINS, 0, LOW_BINS - 1)
+    return bins.astype(np.int64)
+
+
+def _signed_quantile(hist: np.ndarray, share: float) -> float:
+    """The signed value with a `share` of the histogram's counts below it."""
+    cum = np.cumsum(hist)
+    target = share * cum[-1]
+    b = int(np.searchsorted(cum, target, side="left"))
+    below = float(cum[b - 1]) if b > 0 else 0.0
+    inside = (target - below) / float(hist[b]) if hist[b] > 0 else 0.0
+    return float((b - Z_BINS + inside) * Z_BIN)
 
 
 def _quantile(hist: np.ndarray, total: float, beyond: float) -> float:

@@ -90,3 +90,47 @@ def dominant_period(residuals: np.ndarray, min_period: int) -> tuple[int, float]
         return 0, 0.0
     lag = start + int(np.argmax(full[start:]))
     return lag, float(full[lag])
+
+
+_T_INVERSE_NU = np.linspace(0.0, 1 / 2.2, 23)  # 1/nu of the Student-t tails fitted: 0 = Gaussian
+_T_LOG_SHARE = np.linspace(math.log(1e-8), math.log(0.9), 240)
+_t_table: np.ndarray | None = None
+
+
+def _student_t_log_quantiles() -> np.ndarray:
+    """log |x| beyond which a share exp(_T_LOG_SHARE) of |T| lies, a row per 1/nu (built once)."""
+    global _t_table
+    if _t_table is None:
+        x = np.geomspace(1e-4, 1e6, 40_000)
+        rows = []
+        for inv in _T_INVERSE_NU.tolist():
+            if inv == 0.0:
+                survival = np.array([math.erfc(v / math.sqrt(2)) for v in x.tolist()])
+            else:
+                nu = 1.0 / inv
+                c = math.exp(math.lgamma((nu + 1) / 2) - math.lgamma(nu / 2)) / math.sqrt(
+                    nu * math.pi
+                )
+                pdf = 2 * c * (1 + x * x / nu) ** (-(nu + 1) / 2)
+                beyond = 2 * c * nu ** ((nu + 1) / 2) * x[-1] ** -nu / nu  # the tail past x[-1]
+                areas = np.diff(x) * 0.5 * (pdf[1:] + pdf[:-1])
+                survival = np.concatenate((np.cumsum(areas[::-1])[::-1], [0.0])) + beyond
+            survival = np.maximum(survival, 1e-300)[::-1]
+            rows.append(np.interp(_T_LOG_SHARE, np.log(survival), np.log(x[::-1])))
+        _t_table = np.array(rows)
+    return _t_table
+
+
+def student_t_reach(q_hi: float, p_hi: float, q_lo: float, p_lo: float, p: float) -> float:
+    """How far |z| reaches with a share `p` beyond, for a scaled Student-t through two of its
+    quantiles (`q_hi` with a share `p_hi` beyond, `q_lo` with `p_lo`): nu from their ratio,
+    from a Gaussian's tails to nu = 2.2."""
+    table = _student_t_log_quantiles()
+
+    def column(share: float) -> np.ndarray:
+        log_share = math.log(share)
+        return np.array([np.interp(log_share, _T_LOG_SHARE, row) for row in table])
+
+    hi, lo, far = column(p_hi), column(p_lo), column(p)
+    inverse_nu = float(np.interp(math.log(q_hi / q_lo), hi - lo, _T_INVERSE_NU))
+    return q_hi * math.exp(float(np.interp(inverse_nu, _T_INVERSE_NU, far - hi)))
