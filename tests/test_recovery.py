@@ -65,7 +65,7 @@ def test_region_of_toxic_batches_rolls_back_with_a_wide_skip(clean, tmp_path):
     rollbacks = kinds(events, "rollback")
     assert rollbacks
     skipped = rollbacks[0]["metrics"]["skipped_batches"]
-    assert skipped[0] <= 200 and skipped[1] >= 220  # the whole region is never trained on
+    assert skipped[0] <= 350 and skipped[1] >= 370  # the whole region is never trained on
     assert out.eval_loss == pytest.approx(clean[0].eval_loss, rel=0.02)
 
 
@@ -90,6 +90,9 @@ def test_without_the_guard_the_same_faults_do_lasting_damage(clean):
     for name in ("LR x100 for 10 steps", "corrupted weights"):
         unguarded = run_scenario(FAULTS[name], guarded=False)
         assert unguarded.eval_loss > 1.1 * clean[0].eval_loss, name
+    # a late burst of bad data leaves the plain loop no time to outgrow it
+    unguarded = run_scenario(FAULTS["20 toxic batches"], guarded=False)
+    assert unguarded.eval_loss > 1.03 * clean[0].eval_loss
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +116,8 @@ def test_the_lstm_family_recovers_too(clean_lstm, tmp_path, name):
     assert out.halted is None
     assert all(p.isfinite().all() for p in out.model.parameters())
     assert out.eval_loss == pytest.approx(clean_lstm.eval_loss, rel=0.02)
-    if name != "decaying shard":  # the plain loop never recovers from a NaN or Inf update
-        unguarded = run_scenario(FAULTS[name], family="RecurrentLM", guarded=False)
+    unguarded = run_scenario(FAULTS[name], family="RecurrentLM", guarded=False)
+    if name == "decaying shard":  # too late in the run for the plain loop to outgrow
+        assert unguarded.eval_loss > 1.03 * clean_lstm.eval_loss
+    else:  # the plain loop never recovers from a NaN or Inf update
         assert math.isnan(unguarded.eval_loss)

@@ -38,18 +38,24 @@ class Fault:
     shard: tuple[int, ...] = ()  # batches of a shard that decays into noise (5% to 100%)
 
 
+# The bursts of bad data end 30 steps before the end of a 400-step run, so the run has no time to
+# outgrow them; placed at mid-run, an unguarded small model outgrows them (see MIDRUN).
 FAULTS = {
     "clean": Fault(),
     "toxic batch": Fault("toxic batch", toxic=(180,)),
     "LR x100 for 10 steps": Fault("LR x100 for 10 steps", blowup=tuple(range(250, 260))),
-    "20 toxic batches": Fault("20 toxic batches", toxic=tuple(range(200, 220))),
+    "20 toxic batches": Fault("20 toxic batches", toxic=tuple(range(350, 370))),
     "corrupted weights": Fault("corrupted weights", corrupt_at=260),
     "log(0) in a module": Fault("log(0) in a module", log0_at=220),
     "Inf gradients for 3 steps": Fault("Inf gradients for 3 steps", overflow=(230, 231, 232)),
     "optimizer state lost": Fault("optimizer state lost", moments_lost_at=240),
     "NaN batch": Fault("NaN batch", nan_batch=210),
-    "decaying shard": Fault("decaying shard", shard=tuple(range(240, 270))),
+    "decaying shard": Fault("decaying shard", shard=tuple(range(340, 370))),
     "persistent fault": Fault("persistent fault", persistent_from=200),
+}
+MIDRUN = {
+    "20 toxic batches": Fault("20 toxic batches", toxic=tuple(range(200, 220))),
+    "decaying shard": Fault("decaying shard", shard=tuple(range(240, 270))),
 }
 RECOVERABLE = [name for name in FAULTS if name not in ("clean", "persistent fault")]
 
