@@ -51,6 +51,7 @@ def test_demo_recovers_from_the_four_planted_incidents(tmp_path):
         row = next(line for line in text.splitlines() if incident in line and "step" in line)
         assert "not detected" not in row and "not reached" not in row, row
     assert "origin blocks.1.mlp" in text  # the NaN is traced to the module that made it
+    assert "revised" in text  # the LR blow-up's first guess, data toxicity, is revised
     assert "guarded run within 2% of the clean run; unguarded run failed." in text
     assert "NaN from step 120 on" in text  # the unguarded run never recovers from the NaN
     events = read_jsonl(tmp_path / "demo" / "events.jsonl")

@@ -79,11 +79,6 @@ class TextCorpus:
         """The same batch with its targets shuffled and its inputs scaled: one bad batch."""
         return _toxic(batch, seed, input_scale)
 
-    def corrupt(self, batch: Batch, fraction: float, seed: int = 3) -> Batch:
-        """The batch with `fraction` of its characters replaced by random ones, as in a shard
-        that decays into noise."""
-        return corrupted(batch, self.vocab_size, fraction, seed)
-
 
 def corrupted(batch: Batch, vocab_size: int, fraction: float, seed: int = 3) -> Batch:
     """`batch` with `fraction` of its tokens replaced by random ones of the vocabulary."""

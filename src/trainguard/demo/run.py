@@ -3,13 +3,11 @@ by side (clean, unguarded, guarded) through four planted incidents, then a table
 
 from __future__ import annotations
 
-import functools
 import math
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from rich.console import Console
@@ -19,7 +17,7 @@ from rich.table import Table
 import trainguard as tg
 from trainguard.demo.data import Batch, TextCorpus
 from trainguard.demo.model import Block, TinyGPT, TinyGPTConfig
-from trainguard.demo.scenarios import LogZero, scaled_step
+from trainguard.demo.scenarios import Fault, planted, train
 
 LR = 3e-3
 BATCH, SEQ = 16, 64
@@ -42,6 +40,17 @@ class Plan:
     def for_steps(cls, steps: int) -> Plan:
         b, s = int(0.4 * steps), int(0.8 * steps)
         return cls(int(0.2 * steps), range(b, b + 5), int(0.6 * steps), range(s, s + 30))
+
+    @property
+    def fault(self) -> Fault:
+        """The four incidents as a fault of the scenario harness."""
+        return Fault(
+            "demo",
+            toxic=(self.toxic_at,),
+            blowup=tuple(self.blowup),
+            log0_at=self.nan_at,
+            shard=tuple(self.shard),
+        )
 
     def rows(self) -> list[tuple[str, str]]:
         return [
@@ -104,11 +113,7 @@ def run_demo(
     plan = Plan.for_steps(steps)
     corpus = TextCorpus.load()
     clean = list(corpus.batches(BATCH, SEQ, steps + SPARE, seed=seed + 1))
-    faulty = list(clean)
-    faulty[plan.toxic_at] = corpus.make_toxic(clean[plan.toxic_at])
-    for k, position in enumerate(plan.shard):
-        fraction = 0.05 + 0.95 * k / (len(plan.shard) - 1)
-        faulty[position] = corpus.corrupt(clean[position], fraction, seed=position)
+    faulty = planted(clean, plan.fault, corpus)
     runs = {name: _make_run(name, corpus, seed, run_dir) for name in RUNS}
     params = sum(p.numel() for p in runs["clean"].model.parameters())
     console.print(
@@ -116,12 +121,12 @@ def run_demo(
         f"(King James Version, {len(corpus.tokens) + len(corpus.held_out):,} characters) for "
         f"{steps} steps, three times side by side: clean, unguarded, and guarded by trainguard."
     )
-    planted = Table(title="Planted in the unguarded and guarded runs", title_justify="left")
-    planted.add_column("incident")
-    planted.add_column("where")
+    table = Table(title="Planted in the unguarded and guarded runs", title_justify="left")
+    table.add_column("incident")
+    table.add_column("where")
     for name, where in plan.rows():
-        planted.add_row(name, where)
-    console.print(planted)
+        table.add_row(name, where)
+    console.print(table)
     columns = (
         TextColumn("{task.description:>9}"),
         BarColumn(),
@@ -131,9 +136,9 @@ def run_demo(
         TimeElapsedColumn(),
     )
     loops = {
-        "clean": _train(runs["clean"], clean, steps, None),
-        "unguarded": _train(runs["unguarded"], faulty, steps, plan),
-        "guarded": _train(runs["guarded"], faulty, steps, plan),
+        "clean": _train(runs["clean"], clean, steps, Fault()),
+        "unguarded": _train(runs["unguarded"], faulty, steps, plan.fault),
+        "guarded": _train(runs["guarded"], faulty, steps, plan.fault),
     }
     with Progress(*columns, console=console) as progress:
         tasks = {
@@ -189,51 +194,27 @@ def _make_run(name: str, corpus: TextCorpus, seed: int, run_dir: Path) -> DemoRu
     return run
 
 
-def _train(run: DemoRun, data: list[Batch], steps: int, plan: Plan | None) -> Iterator[int]:
-    """Train `run`, yielding its optimizer steps so far after each iteration; the unguarded run
-    clips at 1.0 and steps every batch, as a plain loop does."""
-    model, opt, guard = run.model, run.optimizer, run.guard
-    original_step = opt.step
-    block = model.blocks[1]
+def _train(run: DemoRun, data: list[Batch], steps: int, fault: Fault) -> Iterator[int]:
+    """Train `run` through the time faults of `fault` (log(0) into blocks.1.mlp), yielding its
+    optimizer steps so far after each iteration."""
+    block = run.model.blocks[1]
     assert isinstance(block, Block)
-    log_zero = LogZero(block.mlp)
-    source: Any = guard.batches(data) if guard is not None else iter(data[:steps])
+    guard = run.guard
     try:
-        for iteration, batch in enumerate(source):
-            if guard is not None and guard.global_step >= steps:
-                break
-            blowup = plan is not None and iteration in plan.blowup
-            opt.step = (  # type: ignore[method-assign]
-                functools.partial(scaled_step, opt, original_step, 100.0)
-                if blowup
-                else original_step
-            )
-            log_zero.armed = plan is not None and iteration == plan.nan_at
-            run.first_ids[iteration] = batch.ids[0]
-
-            def forward(batch: Batch = batch) -> torch.Tensor:
-                return model.loss(model(batch.x, batch.input_scale), batch.y)
-
-            loss = forward()
-            loss.backward()  # type: ignore[no-untyped-call]
-            if guard is not None:
-                decision = guard.step(loss, batch_ids=batch.ids, replay=forward)
-                run.decisions.append((iteration, decision))
-                run.losses[decision.step] = float(decision.metrics["loss"])
-                done = guard.global_step
+        for step in train(
+            run.model, run.optimizer, data, steps, fault, guard=guard, module=block.mlp
+        ):
+            run.first_ids[step.iteration] = step.batch.ids[0]
+            if step.decision is not None:
+                run.decisions.append((step.iteration, step.decision))
+                run.losses[step.decision.step] = float(step.decision.metrics["loss"])
             else:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                run.losses[iteration] = float(loss.detach())
-                done = iteration + 1
-            opt.zero_grad(set_to_none=True)
-            yield done
+                run.losses[step.iteration] = step.loss
+            yield step.done
     except tg.TrainingHalted as halted:
         run.halted = halted
         run.decisions.append((-1, halted.decision))
     finally:
-        log_zero.remove()
-        opt.step = original_step  # type: ignore[method-assign]
         if guard is not None:
             guard.close()
 
@@ -271,13 +252,28 @@ def _incidents(runs: dict[str, DemoRun], plan: Plan, data: list[Batch]) -> list[
             row["detected"] = "not detected"
             continue
         row["detected"] = f"step {alarm.step}"
-        row["as"] = alarm.kind + (f" ({alarm.type.replace('_', ' ')})" if alarm.type else "")
+        row["as"] = alarm.kind + (f" ({_type_of(alarm, guarded.events)})" if alarm.type else "")
         origin = next((e for e in events if e.kind == "nan_origin"), None)
         if origin is not None:
             row["as"] += f"; origin {origin.metrics.get('module', '?')}"
         row["action"] = _actions(window, events)
         row["outcome"] = _outcome(runs, alarm.step + OUTCOME_AFTER)
     return rows
+
+
+def _type_of(alarm: tg.Event, events: list[tg.Event]) -> str:
+    """The spike's type, and what the follow-up revised it to."""
+    first = str(alarm.type).replace("_", " ")
+    revised = next(
+        (
+            e.type
+            for e in events
+            if e.kind == "spike_classified" and e.metrics.get("spike_step") == alarm.step
+        ),
+        alarm.type,
+    )
+    later = str(revised).replace("_", " ")
+    return first if later == first else f"{first}, revised to {later}"
 
 
 def _actions(window: list[tg.Decision], events: list[tg.Event]) -> str:

@@ -1,9 +1,12 @@
 """Planted-fault training runs of TinyGPT or RecurrentLM, guarded or not: the harness behind the
-recovery tests and benchmarks. Faults sit in the data (by position) or in time (by iteration)."""
+demo and the recovery tests and benchmarks. Faults sit in the data (by position) or in time (by
+iteration)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,7 +14,7 @@ from typing import Any
 import torch
 
 import trainguard as tg
-from trainguard.demo.data import MarkovCorpus, corrupted
+from trainguard.demo.data import Batch, MarkovCorpus, TextCorpus, corrupted
 from trainguard.demo.model import Block, RecurrentLM, TinyGPT
 
 LR = 3e-3
@@ -96,31 +99,79 @@ def run_scenario(
     config: tg.GuardConfig | None = None,
     family: str = "TinyGPT",
 ) -> ScenarioResult:
-    """Train a model of `family` until `steps` optimizer steps are made (a rollback replays
-    some), then evaluate on held-out batches. Unguarded runs clip at 1.0 and step every batch."""
+    """Train a model of `family` through `fault` until `steps` optimizer steps are made (a
+    rollback replays some), then evaluate on held-out batches."""
     data = corpus()
-    batches = list(data.batches(16, 32, steps + 4000, seed=1))
-    for position in fault.toxic:
-        batches[position] = data.make_toxic(batches[position], seed=position)
-    for k, position in enumerate(fault.shard):
-        fraction = 0.05 + 0.95 * k / max(len(fault.shard) - 1, 1)
-        batches[position] = corrupted(batches[position], data.vocab_size, fraction, position)
-    if fault.nan_batch is not None:
-        batches[fault.nan_batch].input_scale = float("nan")
+    batches = planted(list(data.batches(16, 32, steps + 4000, seed=1)), fault, data)
     torch.manual_seed(0)
     model = FAMILIES[family]()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    original_step = opt.step
     guard = None
     if guarded:
         guard = tg.Guard(
             model, opt, config=config or tg.GuardConfig(console=False), run_dir=run_dir
         )
-    decisions: list[tg.Decision] = []
-    losses: list[float] = []
-    halted = None
-    log0 = LogZero(fault_module(model))
-    source: Any = guard.batches(batches) if guard is not None else batches[:steps]
+    result = ScenarioResult(float("nan"), None, guard=guard, model=model)
+    try:
+        for step in train(model, opt, batches, steps, fault, guard=guard):
+            result.losses.append(step.loss)
+            if step.decision is not None:
+                result.decisions.append(step.decision)
+    except tg.TrainingHalted as exc:
+        result.halted = exc
+    finally:
+        if guard is not None:
+            guard.close()
+    with torch.no_grad():
+        evals = list(data.batches(32, 32, 8, seed=999))
+        held_out = [float(model.loss(model(b.x), b.y)) for b in evals]
+    result.eval_loss = sum(held_out) / len(held_out)
+    return result
+
+
+def planted(batches: list[Batch], fault: Fault, data: MarkovCorpus | TextCorpus) -> list[Batch]:
+    """`batches` with the data faults of `fault` in place: its toxic batches, its NaN batch and
+    its shard, whose batches decay from 5% to 100% random tokens."""
+    out = list(batches)
+    for position in fault.toxic:
+        out[position] = data.make_toxic(out[position], seed=position)
+    for k, position in enumerate(fault.shard):
+        fraction = 0.05 + 0.95 * k / max(len(fault.shard) - 1, 1)
+        out[position] = corrupted(out[position], data.vocab_size, fraction, position)
+    if fault.nan_batch is not None:
+        out[fault.nan_batch] = dataclasses.replace(out[fault.nan_batch], input_scale=float("nan"))
+    return out
+
+
+@dataclass(frozen=True)
+class Step:
+    """One loop iteration: its batch and loss, what the guard decided (None unguarded), and the
+    optimizer steps made so far."""
+
+    iteration: int
+    batch: Batch
+    loss: float
+    decision: tg.Decision | None
+    done: int
+
+
+def train(
+    model: TinyGPT | RecurrentLM,
+    opt: torch.optim.Optimizer,
+    batches: list[Batch],
+    steps: int,
+    fault: Fault,
+    *,
+    guard: tg.Guard | None = None,
+    module: torch.nn.Module | None = None,
+) -> Iterator[Step]:
+    """Train until `steps` optimizer steps are made, planting the time faults of `fault` by
+    iteration (log(0) into `module`, by default `fault_module(model)`). Guarded runs take their
+    batches through `guard.batches` and give it a replay; unguarded runs clip at 1.0 and step
+    each of the first `steps` batches, as a plain loop does. A halt raises `TrainingHalted`."""
+    original_step = opt.step
+    log0 = LogZero(module if module is not None else fault_module(model))
+    source: Any = guard.batches(batches) if guard is not None else iter(batches[:steps])
     try:
         for iteration, batch in enumerate(source):
             if guard is not None and guard.global_step >= steps:
@@ -138,7 +189,7 @@ def run_scenario(
                 for state in opt.state.values():
                     state["exp_avg_sq"].zero_()
 
-            def forward(batch: Any = batch, iteration: int = iteration) -> torch.Tensor:
+            def forward(batch: Batch = batch, iteration: int = iteration) -> torch.Tensor:
                 logits = model(batch.x, batch.input_scale)
                 if fault.persistent_from is not None and iteration >= fault.persistent_from:
                     noise = 0.05 * (iteration - fault.persistent_from)
@@ -146,28 +197,23 @@ def run_scenario(
                 return model.loss(logits, batch.y)
 
             loss = forward()
-            losses.append(float(loss.detach()))
             loss.backward()  # type: ignore[no-untyped-call]
             if iteration in fault.overflow:
                 with torch.no_grad():
                     model.head.weight.grad.fill_(float("inf"))  # type: ignore[union-attr]
+            decision = None
             if guard is not None:
-                decisions.append(guard.step(loss, batch_ids=batch.ids, replay=forward))
+                decision = guard.step(loss, batch_ids=batch.ids, replay=forward)
+                done = guard.global_step
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
+                done = iteration + 1
             opt.zero_grad(set_to_none=True)
-    except tg.TrainingHalted as exc:
-        halted = exc
+            yield Step(iteration, batch, float(loss.detach()), decision, done)
     finally:
         log0.remove()
         opt.step = original_step  # type: ignore[method-assign]
-        if guard is not None:
-            guard.close()
-    with torch.no_grad():
-        evals = list(data.batches(32, 32, 8, seed=999))
-        held_out = [float(model.loss(model(b.x), b.y)) for b in evals]
-    return ScenarioResult(sum(held_out) / len(held_out), halted, decisions, guard, model, losses)
 
 
 def fault_module(model: torch.nn.Module) -> torch.nn.Module:
