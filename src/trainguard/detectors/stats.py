@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -94,31 +95,26 @@ def dominant_period(residuals: np.ndarray, min_period: int) -> tuple[int, float]
 
 _T_INVERSE_NU = np.linspace(0.0, 1 / 2.2, 23)  # 1/nu of the Student-t tails fitted: 0 = Gaussian
 _T_LOG_SHARE = np.linspace(math.log(1e-8), math.log(0.9), 240)
-_t_table: np.ndarray | None = None
 
 
+@functools.cache
 def _student_t_log_quantiles() -> np.ndarray:
     """log |x| beyond which a share exp(_T_LOG_SHARE) of |T| lies, a row per 1/nu (built once)."""
-    global _t_table
-    if _t_table is None:
-        x = np.geomspace(1e-4, 1e6, 40_000)
-        rows = []
-        for inv in _T_INVERSE_NU.tolist():
-            if inv == 0.0:
-                survival = np.array([math.erfc(v / math.sqrt(2)) for v in x.tolist()])
-            else:
-                nu = 1.0 / inv
-                c = math.exp(math.lgamma((nu + 1) / 2) - math.lgamma(nu / 2)) / math.sqrt(
-                    nu * math.pi
-                )
-                pdf = 2 * c * (1 + x * x / nu) ** (-(nu + 1) / 2)
-                beyond = 2 * c * nu ** ((nu + 1) / 2) * x[-1] ** -nu / nu  # the tail past x[-1]
-                areas = np.diff(x) * 0.5 * (pdf[1:] + pdf[:-1])
-                survival = np.concatenate((np.cumsum(areas[::-1])[::-1], [0.0])) + beyond
-            survival = np.maximum(survival, 1e-300)[::-1]
-            rows.append(np.interp(_T_LOG_SHARE, np.log(survival), np.log(x[::-1])))
-        _t_table = np.array(rows)
-    return _t_table
+    x = np.geomspace(1e-4, 1e6, 40_000)
+    rows = []
+    for inv in _T_INVERSE_NU.tolist():
+        if inv == 0.0:
+            survival = np.array([math.erfc(v / math.sqrt(2)) for v in x.tolist()])
+        else:
+            nu = 1.0 / inv
+            c = math.exp(math.lgamma((nu + 1) / 2) - math.lgamma(nu / 2)) / math.sqrt(nu * math.pi)
+            pdf = 2 * c * (1 + x * x / nu) ** (-(nu + 1) / 2)
+            beyond = 2 * c * nu ** ((nu + 1) / 2) * x[-1] ** -nu / nu  # the tail past x[-1]
+            areas = np.diff(x) * 0.5 * (pdf[1:] + pdf[:-1])
+            survival = np.concatenate((np.cumsum(areas[::-1])[::-1], [0.0])) + beyond
+        survival = np.maximum(survival, 1e-300)[::-1]
+        rows.append(np.interp(_T_LOG_SHARE, np.log(survival), np.log(x[::-1])))
+    return np.array(rows)
 
 
 def student_t_reach(q_hi: float, p_hi: float, q_lo: float, p_lo: float, p: float) -> float:
