@@ -185,14 +185,7 @@ def _detected(result) -> str:  # type: ignore[no-untyped-def]
     first = incidents[0] if incidents else None
     if first is None:
         return "nothing"
-    revised = next(
-        (
-            e.type
-            for e in result.events
-            if e.kind == "spike_classified" and e.metrics.get("spike_step") == first.step
-        ),
-        first.type,
-    )
+    revised = first.revised_type(result.events)
     return f"{first.kind} at step {first.step}" + (f" ({revised})" if revised else "")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -83,6 +84,14 @@ class Event:
             "action": self.action,
             "rank": self.rank,
         }
+
+    def revised_type(self, later: Iterable[Event]) -> SpikeType | None:
+        """This spike's type as its `spike_classified` follow-up among `later` left it (its
+        first guess when there is none)."""
+        for e in later:
+            if e.kind == "spike_classified" and e.metrics.get("spike_step") == self.step:
+                return e.type
+        return self.type
 
 
 @dataclass

@@ -264,15 +264,7 @@ def _incidents(runs: dict[str, DemoRun], plan: Plan, data: list[Batch]) -> list[
 def _type_of(alarm: tg.Event, events: list[tg.Event]) -> str:
     """The spike's type, and what the follow-up revised it to."""
     first = str(alarm.type).replace("_", " ")
-    revised = next(
-        (
-            e.type
-            for e in events
-            if e.kind == "spike_classified" and e.metrics.get("spike_step") == alarm.step
-        ),
-        alarm.type,
-    )
-    later = str(revised).replace("_", " ")
+    later = str(alarm.revised_type(events)).replace("_", " ")
     return first if later == first else f"{first}, revised to {later}"
 
 
