@@ -503,4 +503,20 @@ def test_a_straggler_is_named_after_slow_windows_in_a_row_once():
         found += d.update(point)
     assert [(e.step, e.rank) for e in found] == [(19, 2)]
     assert found[0].metrics["data_wait_s"] == pytest.approx(0.03)
-    assert d.state_dict()["reported"] == [False, False, False]  # it cleared after step 30
+    assert d.state_dict()["reported"] == [False, False, False]  # two quick windows cleared it
+
+
+def test_one_quick_window_does_not_clear_a_straggler():
+    from trainguard.config import StragglerConfig
+    from trainguard.detectors.ranks import StragglerDetector
+
+    d = StragglerDetector(StragglerConfig(every=5, windows=2, factor=1.5))
+    # windows of rank 1: slow, slow (reported), quick, slow, slow, quick, quick, slow, slow
+    slow_windows = [True, True, False, True, True, False, False, True, True]
+    found = []
+    for step in range(5 * len(slow_windows)):
+        slow = 0.04 if slow_windows[step // 5] else 0.02
+        point = tg.MetricPoint(step=step, loss=1.0, rank_step_times=[0.02, slow])
+        found += d.update(point)
+    # the one quick window at 10-14 leaves the report; the two at 25-34 clear it
+    assert [(e.step, e.rank) for e in found] == [(9, 1), (44, 1)]

@@ -93,10 +93,10 @@ class RankOutlierDetector(Detector):
 class StragglerDetector(Detector):
     """A rank whose mean step time (data wait plus compute before the first gradient reduction)
     over a window of `every` steps is `factor` x the median of the other ranks', `windows`
-    windows in a row; reported once until it clears."""
+    windows in a row; reported once, until as many normal windows in a row clear it."""
 
     name = "straggler"
-    _state = ("sums", "waits", "count", "slow_runs", "reported")
+    _state = ("sums", "waits", "count", "slow_runs", "fast_runs", "reported")
 
     def __init__(self, config: StragglerConfig | None = None) -> None:
         self.config = config or StragglerConfig()
@@ -104,6 +104,7 @@ class StragglerDetector(Detector):
         self.waits: list[float] = []
         self.count = 0
         self.slow_runs: list[int] = []
+        self.fast_runs: list[int] = []  # normal windows in a row, which clear a report
         self.reported: list[bool] = []
 
     def advance(self, series: MetricSeries, start: int) -> int:
@@ -116,7 +117,8 @@ class StragglerDetector(Detector):
         n = len(times)
         if len(self.sums) != n:  # the first step, or the world size changed on a restart
             self.sums, self.waits = [0.0] * n, [0.0] * n
-            self.count, self.slow_runs, self.reported = 0, [0] * n, [False] * n
+            self.count, self.slow_runs, self.fast_runs = 0, [0] * n, [0] * n
+            self.reported = [False] * n
         for r in range(n):
             self.sums[r] += times[r]
             self.waits[r] += waits[r] if waits and math.isfinite(waits[r]) else 0.0
@@ -131,9 +133,12 @@ class StragglerDetector(Detector):
             centre = median(means[:r] + means[r + 1 :])  # the other ranks: with 2, the other one
             if centre > 0 and m > self.config.factor * centre:
                 self.slow_runs[r] += 1
-            else:
+                self.fast_runs[r] = 0
+            else:  # one quick window (a busy neighbour, a lucky batch) does not clear a report
                 self.slow_runs[r] = 0
-                self.reported[r] = False
+                self.fast_runs[r] += 1
+                if self.fast_runs[r] >= self.config.windows:
+                    self.reported[r] = False
             if self.slow_runs[r] >= self.config.windows and not self.reported[r]:
                 self.reported[r] = True
                 share = wait_means[r] / m if m > 0 else 0.0
