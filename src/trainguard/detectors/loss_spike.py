@@ -405,7 +405,7 @@ class LossSpikeDetector(Detector):
             self.grads.append(grad_norm)
         if z is not None and math.isfinite(z):
             if below is not None and self.z_total < TAIL_MIN_SAMPLES:
-                self.low_hist[min(max(math.floor(below / Z_BIN) + Z_BINS, 0), LOW_BINS - 1)] += 1.0
+                self.low_hist[int(_low_bin(np.asarray(below)))] += 1.0
             self._count_z(abs(z))
 
     def _count_z(self, z: float) -> None:
@@ -529,7 +529,8 @@ class LossSpikeDetector(Detector):
 
 
 def _low_bin(values: np.ndarray) -> np.ndarray:
-    """The bins of signed values in the histogram of `low_hist` (Z_BIN wide, -25 to 25)."""
+    """The bins of signed values in the histogram of `low_hist` (Z_BIN wide, -25 to 25), for
+    one step or many: the per-step and bulk paths bin alike."""
     bins: np.ndarray = np.clip(np.floor(values / Z_BIN) + Z_BINS, 0, LOW_BINS - 1)
     return bins.astype(np.int64)
 
