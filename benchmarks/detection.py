@@ -319,10 +319,8 @@ def trainguard_flags(loss: np.ndarray, grad: np.ndarray) -> tuple[list[int], dic
     series = MetricSeries(np.arange(len(loss), dtype=np.int64), loss, grad)
     events = DetectorSuite().run(series)
     flagged = [e.step for e in events if e.kind in ("loss_spike", "nonfinite")]
-    types = {e.step: e.type for e in events if e.kind == "loss_spike" and e.type}
-    for e in events:  # the revised type replaces the first guess
-        if e.kind == "spike_classified" and e.type:
-            types[int(e.metrics["spike_step"])] = e.type
+    spikes = [e for e in events if e.kind == "loss_spike"]
+    types = {e.step: t for e in spikes if (t := e.revised_type(events))}  # the revised type
     return flagged, types
 
 
