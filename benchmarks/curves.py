@@ -1,4 +1,4 @@
-"""`trainguard analyze` on every real curve in ../shared/curves: the incidents found in each, a
+"""`trainguard analyze` on every real curve in data/curves: the incidents found in each, a
 thumbnail (SVG) per curve, and the time taken.
 
 Run: `.venv/bin/python benchmarks/curves.py` (writes benchmarks/curves/*.svg and the "Real
@@ -19,7 +19,7 @@ from trainguard.analysis import analyze, read_log
 from trainguard.events import Event
 
 HERE = Path(__file__).resolve().parent
-DEFAULT = HERE.parents[1] / "shared" / "curves"
+DEFAULT = HERE.parent / "data" / "curves"
 COLOURS = {  # spike type (or event kind) -> colour of its marker
     "data_toxicity": "#d62728",
     "gradient_explosion": "#ff7f0e",

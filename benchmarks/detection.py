@@ -3,7 +3,7 @@ set of generated LM loss curves.
 
 The generator (`make_curve`, documented below) draws a power-law LM curve with heavy-tailed
 (Student-t, 3 to 8 degrees of freedom) noise of 0.5-3% of the level, calmed where its tails
-would reach past 1.9x the level once in FA_BUDGET steps (no quiet curve in shared/curves goes
+would reach past 1.9x the level once in FA_BUDGET steps (no quiet curve in data/curves goes
 further), adds traps that are not incidents (LR warm restarts that lift the loss smoothly for a
 while, and a change of noise level as after a batch-size change), and plants 0-3 labelled
 incidents of the four spike classes, or a NaN:
@@ -119,7 +119,7 @@ def make_curve(rng: np.random.Generator, steps: int) -> Curve:
         noise[change:] *= factor
         scale[change:] *= factor
     tallest_noise = t_quantile(nu, 1.0 / FA_BUDGET)
-    # quiet real curves never double their loss by noise (shared/curves: at most 1.9x)
+    # quiet real curves never double their loss by noise (data/curves: at most 1.9x)
     calm = min(1.0, MAX_NOISE_REACH / (tallest_noise * relative * factor))
     noise *= calm
     scale *= calm

@@ -100,7 +100,7 @@ def test_spikes_never_enter_the_baseline():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_no_false_alarm_over_100k_steps_of_heavy_tailed_noise_and_warm_restarts(seed):
     """Student-t (5 dof, kurtosis 9) batch noise, heavier than any healthy public run in
-    shared/curves, plus two LR warm restarts, with the LR stream given as it would be."""
+    data/curves, plus two LR warm restarts, with the LR stream given as it would be."""
     steps = 100_000
     restarts = (30_000, 60_000)
     y = lm_curve(steps, seed=seed, dof=5.0, noise=0.02, restarts=restarts)

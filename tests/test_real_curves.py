@@ -1,4 +1,4 @@
-"""The detectors on real public loss curves (../shared/curves, see its SOURCES.md)."""
+"""The detectors on real public loss curves (data/curves, see its SOURCES.md)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import trainguard as tg
 from trainguard.detectors import DetectorSuite, MetricPoint
 
 CURVES = Path(
-    os.environ.get("TRAINGUARD_CURVES", Path(__file__).resolve().parents[2] / "shared" / "curves")
+    os.environ.get("TRAINGUARD_CURVES", Path(__file__).resolve().parents[1] / "data" / "curves")
 )
 
 
 def run_suite(name: str) -> list[tg.Event]:
     path = CURVES / name
     assert path.is_file(), (
-        f"{path} is missing: the shared curves sit beside the checkout (../shared/curves), "
+        f"{path} is missing: the curves are committed in data/curves, "
         "or set TRAINGUARD_CURVES to their folder"
     )
     suite = DetectorSuite(tg.GuardConfig())
