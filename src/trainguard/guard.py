@@ -14,10 +14,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainguard.actions import OptimizerActions
+from trainguard.actions.checkpoint_files import DamagedCheckpoint
 from trainguard.actions.checkpoints import (
     CheckpointStore,
+    check_rng,
     load_sharded,
-    restore_training_state,
+    prepare_restore,
     sharded_training_state,
     training_state,
 )
@@ -210,6 +212,9 @@ class Guard:
         else:
             self.stats.discard_update()
             self.actions.skip()
+        if self.checkpoints is not None and self.checkpoints.errors:  # a background write failed
+            for error in self._checkpoint_errors():
+                self._warn(error)
         if replay is not None:
             kinds = {e.kind for e in decision.events}
             if "nonfinite" in kinds or (self.ranks is not None and "rank_outlier" in kinds):
@@ -753,24 +758,38 @@ class Guard:
             plain = load_sharded(
                 self.checkpoints,
                 path,
+                manifest,
                 self.model,
                 self.optimizer,
                 self.scheduler,
                 self.scaler,
                 self.ranks.rank,
             )
+            self._check_guard_state(plain)
         else:
-            found = self.checkpoints.load_newest(self._warn)
-            if found is None:
+            for manifest, tensors, plain in self.checkpoints.candidates(self._warn):
+                path = Path(manifest["path"])
+                try:  # one that does not fit the run raises: every older one is alike
+                    apply = prepare_restore(
+                        path,
+                        tensors,
+                        plain,
+                        self.model,
+                        self.optimizer,
+                        self.scheduler,
+                        self.scaler,
+                    )
+                    self._check_guard_state(plain)
+                except DamagedCheckpoint as exc:
+                    self._warn(f"{path.name} is unusable: {exc}; using the one before it")
+                    continue
+                apply()
+                break
+            else:
                 self._warn(
-                    f"no complete checkpoint in {self.checkpoints.directory}: starting at step 0"
+                    f"no usable checkpoint in {self.checkpoints.directory}: starting at step 0"
                 )
                 return
-            manifest, tensors, plain = found
-            path = Path(manifest["path"])
-            restore_training_state(
-                tensors, plain, self.model, self.optimizer, self.scheduler, self.scaler
-            )
         self.load_state_dict(plain["guard"])
         self.checkpoints.protected = set(plain.get("protected", []))
         self._last_good_checkpoint = plain.get("last_good_checkpoint")
@@ -786,6 +805,30 @@ class Guard:
             )
         )
 
+    def _check_guard_state(self, plain: dict[str, Any]) -> None:
+        """Load a checkpoint's guard state into throwaway copies of the detectors, policy and
+        actions: `DamagedCheckpoint` when it does not load, before anything live is touched."""
+        state = plain["guard"]
+        try:
+            DetectorSuite(self.config).load_state_dict(state["detectors"])
+            StepPolicy(self.config.policy, self.config.recovery).load_state_dict(state["policy"])
+            if self.optimizer is not None and state.get("actions") is not None:
+                OptimizerActions(self.optimizer).load_state_dict(state["actions"])
+            int(state.get("last_incident", 0))
+            [(int(k), int(v)) for k, v in state.get("positions", [])]
+            {str(k): int(v) for k, v in state.get("action_counts", {}).items()}
+            data = plain["data"]
+            if data is not None:
+                int(data["position"])
+                if "start_rng" in data:
+                    check_rng(data["start_rng"], None)
+        except DamagedCheckpoint:
+            raise
+        except Exception as exc:  # a malformed state raises KeyError, TypeError, ValueError...
+            raise DamagedCheckpoint(
+                f"its guard state is malformed ({type(exc).__name__}: {exc})"
+            ) from None
+
     def _newest_for_all_ranks(self) -> tuple[dict[str, Any], Path] | None:
         """Rank 0 picks the newest checkpoint that verifies; every rank gets its choice."""
         assert self.checkpoints is not None and self.ranks is not None
@@ -794,17 +837,15 @@ class Guard:
             for path in self.checkpoints.complete():
                 try:
                     manifest = self.checkpoints.verify(path)
-                except TrainguardError as exc:
-                    self._warn(f"{path.name} is unusable ({exc}); using the one before it")
+                except DamagedCheckpoint as exc:
+                    self._warn(f"{path.name} is unusable: {exc}; using the one before it")
                     continue
                 manifest["path"] = str(path)
                 choice = [manifest]
                 break
         torch.distributed.broadcast_object_list(choice, src=0, group=self.ranks.group)
         if choice[0] is None:
-            self._warn(
-                f"no complete checkpoint in {self.checkpoints.directory}: starting at step 0"
-            )
+            self._warn(f"no usable checkpoint in {self.checkpoints.directory}: starting at step 0")
             return None
         manifest = dict(choice[0])
         return manifest, Path(manifest["path"])

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import hashlib
 import json
 import os
-import pickle
+import random
 import shutil
 import threading
 import uuid
@@ -17,69 +16,36 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
+from trainguard.actions.checkpoint_files import (
+    DIGEST_SCHEME,
+    MANIFEST,
+    PLAIN_STATE,
+    STEP_KEY,
+    DamagedCheckpoint,
+    SafeReader,
+    check_plain_state,
+    file_digest,
+    read_json,
+    read_metadata,
+    tensor_entries,
+    verify_manifest,
+)
 from trainguard.actions.snapshots import rng_from_plain, rng_state, rng_to_plain, set_rng_state
 from trainguard.distributed.context import RankContext
 from trainguard.events import TrainguardError, _utc_now
 
-MANIFEST = "manifest.json"
-PLAIN_STATE = "trainguard.json"
 PREFIX = "step-"
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    """Unpickles DCP's metadata only: checkpoint metadata classes, torch sizes and dtypes."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint."):
-            return super().find_class(module, name)
-        if module == "torch" and (
-            name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return super().find_class(module, name)
-        if (module, name) in {
-            ("torch.serialization", "_get_layout"),
-            ("pathlib", "PosixPath"),
-            ("pathlib", "WindowsPath"),
-            ("pathlib", "PurePosixPath"),
-            ("collections", "OrderedDict"),
-        }:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(
-            f"checkpoint metadata names {module}.{name}, which is not allowed"
-        )
-
-
-class SafeReader(FileSystemReader):
-    """A `FileSystemReader` whose metadata is read with an allow-list, never a plain unpickle."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        path = Path(self.path) / ".metadata"
-        with path.open("rb") as f:
-            metadata = _SafeUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -196,57 +162,93 @@ class CheckpointStore:
         plain: dict[str, Any],
         manifest: dict[str, Any],
     ) -> None:
-        """Stage the tensors (the only part that blocks training) and write in the background."""
+        """Stage the tensors (the only part that blocks training) and write in the background.
+        A failure of any kind (a full disk, DCP's own) is kept in `errors`, never raised, and
+        leaves no temporary folder and every older checkpoint."""
         self.wait()
-        self.directory.mkdir(parents=True, exist_ok=True)
         ranks = self.ranks
         token = ranks.token if ranks is not None else uuid.uuid4().hex[:8]
         tmp = self.directory / f".{PREFIX}{step}.tmp-{token}"
         plain_text = json.dumps(plain)
         leader = ranks is None or ranks.is_leader
-        if ranks is not None:  # each rank's own plain state, on disk before DCP's last barrier
-            tmp.mkdir(parents=True, exist_ok=True)
-            (tmp / plain_name(ranks.rank)).write_text(plain_text)
-        no_dist = ranks is None and _no_dist()
-        with _quiet_single_process():
-            if self.asynchronous:
-                future: Any = dcp_async_save(
-                    tensors,
-                    checkpoint_id=tmp,
-                    no_dist=no_dist,
-                    async_stager=self._stager,
-                    process_group=self.group,
-                )
-            else:
-                dcp_save(tensors, checkpoint_id=tmp, no_dist=no_dist, process_group=self.group)
-                future = concurrent.futures.Future()
-                future.set_result(None)
-
+        tensors = {**tensors, "trainguard": {"step": torch.tensor(step, dtype=torch.int64)}}
         finished = threading.Event()
+        self._pending = finished
+        try:
+            if ranks is None:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            else:  # each rank's own plain state, on disk before DCP's last barrier
+                try:
+                    tmp.mkdir(parents=True, exist_ok=True)
+                    (tmp / plain_name(ranks.rank)).write_text(plain_text)
+                except OSError as exc:  # DCP's collectives must still run on this rank
+                    self._fail(step, None, exc)
+            future = self._write(tmp, tensors, no_dist=ranks is None and _no_dist())
+        except (Exception, CheckpointException) as exc:
+            self._fail(step, tmp if leader else None, exc)
+            finished.set()
+            return
 
         def finish(done: concurrent.futures.Future[Any]) -> None:
             try:
                 done.result()
                 if leader:  # DCP completes on rank 0 once every rank's files are written
                     self._finish(step, tmp, None if ranks else plain_text, manifest)
-            except Exception as exc:  # reported, never raised into training
-                with self._lock:
-                    self.errors.append(f"checkpoint at step {step} failed: {exc}")
+            except (Exception, CheckpointException) as exc:  # reported, never raised
+                self._fail(step, tmp if leader else None, exc)
             finally:
                 finished.set()
 
-        self._pending = finished
         future.add_done_callback(finish)
         if not self.asynchronous:
             self.wait()
+
+    def _write(self, tmp: Path, tensors: dict[str, Any], no_dist: bool) -> Any:
+        """Start DCP's write of the tensors into `tmp`: a future that completes once written."""
+        with _quiet_single_process():
+            if self.asynchronous:
+                return dcp_async_save(
+                    tensors,
+                    checkpoint_id=tmp,
+                    no_dist=no_dist,
+                    async_stager=self._stager,
+                    process_group=self.group,
+                )
+            dcp_save(tensors, checkpoint_id=tmp, no_dist=no_dist, process_group=self.group)
+            future: concurrent.futures.Future[None] = concurrent.futures.Future()
+            future.set_result(None)
+            return future
+
+    def _fail(self, step: int, tmp: Path | None, exc: BaseException) -> None:
+        """Record a failed checkpoint and remove what it left (the older ones stay)."""
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _first_line(exc)
+        with self._lock:
+            self.errors.append(
+                f"the checkpoint of step {step} could not be written ({reason}); "
+                "training goes on, the older checkpoints are kept"
+            )
 
     def _finish(
         self, step: int, tmp: Path, plain_text: str | None, manifest: dict[str, Any]
     ) -> None:
         if plain_text is not None:
             (tmp / PLAIN_STATE).write_text(plain_text)
-        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        record = {"step": step, "time": _utc_now(), "files": files, **manifest}
+        files = {p.name: file_digest(p, step) for p in sorted(tmp.iterdir()) if p.is_file()}
+        if self.ranks is not None:
+            ranks_written = sum(1 for n in files if n.startswith("trainguard-rank"))
+            if ranks_written != self.ranks.world_size:
+                raise TrainguardError(
+                    f"{self.ranks.world_size - ranks_written} rank(s) wrote no plain state"
+                )
+        record = {
+            "step": step,
+            "time": _utc_now(),
+            "checksums": DIGEST_SCHEME,
+            "files": files,
+            **manifest,
+        }
         with (tmp / MANIFEST).open("w") as f:
             json.dump(record, f, indent=1)
             f.flush()
@@ -279,8 +281,8 @@ class CheckpointStore:
         return self._pending is not None and not self._pending.is_set()
 
     # -- reading ----------------------------------------------------------------------------------
-    def complete(self) -> list[Path]:
-        """Directories of checkpoints with a manifest, newest first (not yet verified)."""
+    def _folders(self) -> list[Path]:
+        """Every `step-N` folder, newest first, complete or not."""
         if not self.directory.is_dir():
             return []
         found = [
@@ -288,59 +290,89 @@ class CheckpointStore:
             for p in self.directory.iterdir()
             if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()
         ]
-        return sorted((p for p in found if (p / MANIFEST).is_file()), key=step_of, reverse=True)
+        return sorted(found, key=step_of, reverse=True)
+
+    def complete(self) -> list[Path]:
+        """Directories of checkpoints with a manifest, newest first (not yet verified)."""
+        return [p for p in self._folders() if (p / MANIFEST).is_file()]
 
     def verify(self, path: Path) -> dict[str, Any]:
-        """The manifest of a checkpoint whose files are all present with their recorded sha256."""
-        try:
-            manifest: dict[str, Any] = json.loads((path / MANIFEST).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise TrainguardError(f"{path}: unreadable manifest ({exc})") from None
-        for name, digest in manifest.get("files", {}).items():
-            file = path / name
-            if not file.is_file():
-                raise TrainguardError(f"{path}: {name} is missing")
-            if _sha256(file) != digest:
-                raise TrainguardError(f"{path}: {name} fails its checksum")
-        files = manifest.get("files", {})
-        plain = [n for n in files if n == PLAIN_STATE or n.startswith("trainguard-rank")]
-        if not plain or ".metadata" not in files:
-            raise TrainguardError(f"{path}: the manifest does not list the checkpoint's files")
+        """The manifest of a checkpoint whose step, files and step-bound digests check out, its
+        metadata safe to read and its plain state whole; `DamagedCheckpoint` otherwise."""
+        step = step_of(path)
+        manifest = verify_manifest(path, step)
+        read_metadata(path, manifest["files"])
+        for name in manifest["files"]:
+            if name == PLAIN_STATE or name.startswith("trainguard-rank"):
+                check_plain_state(read_json(path / name, "JSON"), step, name)
         return manifest
 
-    def load(self, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The flat tensors (by DCP key) and the plain state of a verified checkpoint."""
-        reader = SafeReader(path)
-        metadata = reader.read_metadata()
-        template: dict[str, torch.Tensor] = {}
-        for key, meta in metadata.state_dict_metadata.items():
-            if not hasattr(meta, "size"):
-                raise TrainguardError(f"{path}: {key} is not a tensor; refusing to unpickle it")
-            template[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-        with _quiet_single_process():
-            dcp_load(template, storage_reader=SafeReader(path), no_dist=_no_dist())
-        plain = json.loads((path / PLAIN_STATE).read_text())
+    def load(
+        self, path: Path, manifest: dict[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The flat tensors (by DCP key) and the plain state of a verified checkpoint, read into
+        fresh tensors: nothing live is touched."""
+        step = step_of(path)
+        files = manifest["files"]
+        metadata = read_metadata(path, files)
+        template = {
+            key: torch.empty(meta.size, dtype=meta.properties.dtype)
+            for key, meta in tensor_entries(metadata).items()
+        }
+        if manifest.get("checksums") == DIGEST_SCHEME and STEP_KEY not in template:
+            raise DamagedCheckpoint(f"its tensors do not name their step ({STEP_KEY})")
+        try:
+            with _quiet_single_process():
+                dcp_load(template, storage_reader=SafeReader(path, files), no_dist=_no_dist())
+        except DamagedCheckpoint:
+            raise
+        except (Exception, CheckpointException) as exc:  # DCP raises several kinds
+            reason = _first_line(exc)
+            raise DamagedCheckpoint(f"its tensor files cannot be read ({reason})") from None
+        written = template.pop(STEP_KEY, None)
+        if written is not None and (written.numel() != 1 or int(written.item()) != step):
+            raise DamagedCheckpoint(
+                f"its tensor files are of step {written.tolist()}, not {step} (moved or copied)"
+            )
+        plain = check_plain_state(read_json(path / PLAIN_STATE, "JSON"), step)
         return template, plain
 
-    def load_newest(
+    def candidates(
         self, warn: Callable[[str], None]
-    ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]] | None:
-        """Manifest, tensors and plain state of the newest checkpoint that verifies and loads,
-        warning about each one passed over; None when there is none."""
+    ) -> Iterator[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]]:
+        """Manifest, tensors and plain state of each checkpoint that verifies and loads, newest
+        first; each one passed over, and each leftover of an interrupted write, is warned about
+        (the leftovers are removed: they only hold disk)."""
         if self.directory.is_dir():
             for p in sorted(self.directory.iterdir()):
                 if p.name.startswith(f".{PREFIX}") and ".tmp-" in p.name:
-                    warn(f"{p.name}: an incomplete checkpoint (the run stopped while writing it)")
-        for path in self.complete():
+                    shutil.rmtree(p, ignore_errors=True)
+                    warn(
+                        f"{p.name}: an incomplete checkpoint (the run stopped while writing it); "
+                        "removed"
+                    )
+        for path in self._folders():
+            if not (path / MANIFEST).is_file():
+                warn(f"{path.name} has no {MANIFEST} and is passed over; using the one before it")
+                continue
             try:
                 manifest = self.verify(path)
-                tensors, plain = self.load(path)
-            except (TrainguardError, pickle.UnpicklingError, OSError, ValueError) as exc:
-                warn(f"{path.name} is unusable ({exc}); using the one before it")
+                tensors, plain = self.load(path, manifest)
+            except DamagedCheckpoint as exc:
+                warn(f"{path.name} is unusable: {exc}; using the one before it")
                 continue
             manifest["path"] = str(path)
-            return manifest, tensors, plain
-        return None
+            yield manifest, tensors, plain
+
+
+def _first_line(exc: BaseException) -> str:
+    """One line of an exception, DCP's wrapped ones unwrapped."""
+    if isinstance(exc, CheckpointException):
+        inner = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+        text = "; ".join(f"{type(e).__name__}: {e}" for e in inner)
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return (text.strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
 def _split_optimizer_state(
@@ -382,7 +414,11 @@ def sharded_training_state(
         "rng": {f"rank{rank}": own},
     }
     plain = {
-        "optimizer": {"param_groups": optim_sd["param_groups"], "state": opt_plain},
+        "optimizer": {
+            "class": type(optimizer).__name__,
+            "param_groups": optim_sd["param_groups"],
+            "state": opt_plain,
+        },
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "rng": rng_to_plain({k: v for k, v in rng.items() if k != "cuda"}),
@@ -393,13 +429,15 @@ def sharded_training_state(
 def load_sharded(
     store: CheckpointStore,
     path: Path,
+    manifest: dict[str, Any],
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     scaler: Any,
     rank: int,
 ) -> dict[str, Any]:
-    """Load this rank's part of a distributed checkpoint into the live objects; its plain state."""
+    """Load this rank's part of a distributed checkpoint (verified by rank 0) into the live
+    objects once it fits them; its plain state."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     plain_file = path / plain_name(rank)
@@ -407,9 +445,37 @@ def load_sharded(
         raise TrainguardError(
             f"{path} has no state for rank {rank}: resume with the world size it was written with"
         )
-    plain = json.loads(plain_file.read_text())
+    step = step_of(path)
+    plain = check_plain_state(read_json(plain_file, "JSON"), step, plain_file.name)
     tensors, _ = sharded_training_state(model, optimizer, None, None, rank)
-    dcp_load(tensors, storage_reader=SafeReader(path), process_group=store.group)
+    metadata = read_metadata(path, manifest["files"])
+    saved = {
+        k[len("model.") :]: m.size
+        for k, m in tensor_entries(metadata).items()
+        if k.startswith("model.")
+    }
+    live = {k: v.shape for k, v in tensors["model"].items() if isinstance(v, torch.Tensor)}
+    check_fits(path, mismatches(saved, live, plain, optimizer, scheduler, scaler))
+    bound = STEP_KEY in metadata.state_dict_metadata
+    if bound:
+        tensors["trainguard"] = {"step": torch.tensor(-1, dtype=torch.int64)}
+    try:
+        dcp_load(
+            tensors,
+            storage_reader=SafeReader(path, manifest["files"]),
+            process_group=store.group,
+        )
+    except (Exception, CheckpointException) as exc:
+        raise TrainguardError(
+            f"cannot resume from {path}: its tensor files cannot be read ({_first_line(exc)}); "
+            "move that folder aside to resume from the one before it"
+        ) from None
+    if bound and int(tensors["trainguard"]["step"].item()) != step:
+        raise TrainguardError(f"cannot resume from {path}: its tensor files are of another step")
+    own = tensors["rng"][f"rank{rank}"]
+    rng = check_rng(plain["rng"], own["torch"])
+    if "cuda" in own:
+        rng["cuda"] = [own["cuda"][k] for k in sorted(own["cuda"], key=int)]
     state = {
         name: {**tensors["optimizer"]["state"].get(name, {}), **values}
         for name, values in plain["optimizer"]["state"].items()
@@ -424,14 +490,8 @@ def load_sharded(
         scheduler.load_state_dict(plain["scheduler"])
     if scaler is not None and plain["scaler"] is not None:
         scaler.load_state_dict(plain["scaler"])
-    own = tensors["rng"][f"rank{rank}"]
-    rng = rng_from_plain({**plain["rng"], "torch": []})
-    rng["torch"] = own["torch"]
-    if "cuda" in own:
-        rng["cuda"] = [own["cuda"][k] for k in sorted(own["cuda"], key=int)]
     set_rng_state(rng)
-    loaded: dict[str, Any] = plain
-    return loaded
+    return plain
 
 
 def training_state(
@@ -452,7 +512,11 @@ def training_state(
         tensors["rng"]["cuda"] = {str(i): t for i, t in enumerate(rng["cuda"])}
     plain_rng = rng_to_plain({k: v for k, v in rng.items() if k != "cuda"})
     plain = {
-        "optimizer": {"param_groups": opt["param_groups"], "state": opt_plain},
+        "optimizer": {
+            "class": type(optimizer).__name__,
+            "param_groups": opt["param_groups"],
+            "state": opt_plain,
+        },
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "rng": plain_rng,
@@ -460,35 +524,139 @@ def training_state(
     return tensors, plain
 
 
-def restore_training_state(
+class CheckpointMismatch(TrainguardError):
+    """A whole checkpoint that does not fit the model, optimizer, scheduler or scaler it is
+    resumed into."""
+
+
+def mismatches(
+    saved_shapes: dict[str, torch.Size],
+    live_shapes: dict[str, torch.Size],
+    plain: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+) -> list[str]:
+    """What differs between a checkpoint (its model tensors' shapes, its plain state) and the
+    live objects, one phrase each; empty when it fits."""
+    found: list[str] = []
+    missing = sorted(live_shapes.keys() - saved_shapes.keys())
+    extra = sorted(saved_shapes.keys() - live_shapes.keys())
+    reshaped = sorted(
+        k for k in live_shapes.keys() & saved_shapes.keys() if live_shapes[k] != saved_shapes[k]
+    )
+    if missing:
+        found.append(f"the model has {len(missing)} tensor(s) it lacks ({_few(missing)})")
+    if extra:
+        found.append(f"it has {len(extra)} model tensor(s) the model lacks ({_few(extra)})")
+    if reshaped:
+        k = reshaped[0]
+        found.append(
+            f"{len(reshaped)} model tensor(s) differ in shape ({k}: "
+            f"{list(saved_shapes[k])} saved, {list(live_shapes[k])} now)"
+        )
+    saved_opt = plain["optimizer"]
+    saved_class = saved_opt.get("class")
+    if saved_class is not None and saved_class != type(optimizer).__name__:
+        found.append(f"its optimizer is {saved_class}, the run's is {type(optimizer).__name__}")
+    groups = saved_opt["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        found.append(
+            f"its optimizer has {len(groups)} param group(s), the run's "
+            f"{len(optimizer.param_groups)}"
+        )
+    else:
+        for i, (saved, live) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
+            if len(saved["params"]) != len(live["params"]):
+                found.append(
+                    f"param group {i} holds {len(saved['params'])} parameters saved, "
+                    f"{len(live['params'])} now"
+                )
+            keys = saved.keys() ^ live.keys()
+            if keys and saved_class is None:
+                found.append(
+                    f"param group {i} has other hyperparameters ({_few(sorted(keys))}): "
+                    "another optimizer"
+                )
+    for name, live_obj in (("scheduler", scheduler), ("scaler", scaler)):
+        saved_state = plain[name]
+        if live_obj is not None and saved_state is not None:
+            live_keys = set(live_obj.state_dict())
+            if set(saved_state) != live_keys:
+                diff = sorted(set(saved_state) ^ live_keys)
+                found.append(f"its {name} state has other fields ({_few(diff)}): another {name}")
+    return found
+
+
+def _few(names: list[str], shown: int = 3) -> str:
+    more = f", and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def check_fits(path: Path, differences: list[str]) -> None:
+    """Raise one `CheckpointMismatch` naming every difference, with what to do."""
+    if differences:
+        raise CheckpointMismatch(
+            f"cannot resume from {path}: the checkpoint does not fit this run: "
+            + "; ".join(differences)
+            + ". Resume with the model and optimizer it was written with, or give a new run_dir"
+        )
+
+
+def check_rng(plain_rng: Any, torch_state: torch.Tensor | None) -> dict[str, Any]:
+    """The random states of a checkpoint, once each one loads into a fresh generator."""
+    try:
+        rng = rng_from_plain({**plain_rng, "torch": []})
+        random.Random().setstate(rng["python"])
+        np.random.RandomState().set_state(rng["numpy"])
+        if torch_state is not None:
+            torch.Generator().set_state(torch_state)
+            rng["torch"] = torch_state
+    except Exception as exc:  # malformed lists raise TypeError, ValueError or KeyError
+        raise DamagedCheckpoint(f"its random state is malformed ({_first_line(exc)})") from None
+    return rng
+
+
+def prepare_restore(
+    path: Path,
     tensors: dict[str, torch.Tensor],
     plain: dict[str, Any],
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     scaler: Any,
-) -> None:
-    """Put back what `training_state` captured, from a loaded checkpoint's flat tensors."""
-    model.load_state_dict(
-        {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
-    )
+) -> Callable[[], None]:
+    """Check that a loaded checkpoint fits the live objects and is whole, touching none of them;
+    the function that then puts back what `training_state` captured."""
+    weights = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+    live = {k: v.shape for k, v in model.state_dict().items()}
+    saved = {k: v.shape for k, v in weights.items()}
+    check_fits(path, mismatches(saved, live, plain, optimizer, scheduler, scaler))
     opt_state: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        if key.startswith("optimizer.state."):
-            pid, name = key[len("optimizer.state.") :].split(".", 1)
-            opt_state.setdefault(int(pid), {})[name] = value
-    for pid, values in plain["optimizer"]["state"].items():
-        opt_state.setdefault(int(pid), {}).update(values)
-    optimizer.load_state_dict(
-        {"state": opt_state, "param_groups": plain["optimizer"]["param_groups"]}
-    )
-    if scheduler is not None and plain["scheduler"] is not None:
-        scheduler.load_state_dict(plain["scheduler"])
-    if scaler is not None and plain["scaler"] is not None:
-        scaler.load_state_dict(plain["scaler"])
-    rng = rng_from_plain({**plain["rng"], "torch": []})
-    rng["torch"] = tensors["rng.torch"]
+    try:
+        for key, value in tensors.items():
+            if key.startswith("optimizer.state."):
+                pid, name = key[len("optimizer.state.") :].split(".", 1)
+                opt_state.setdefault(int(pid), {})[name] = value
+        for pid, values in plain["optimizer"]["state"].items():
+            opt_state.setdefault(int(pid), {}).update(values)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise DamagedCheckpoint(f"its optimizer state is malformed ({_first_line(exc)})") from None
+    if "rng.torch" not in tensors:
+        raise DamagedCheckpoint("it has no torch random state")
+    rng = check_rng(plain["rng"], tensors["rng.torch"])
     cuda = sorted(k for k in tensors if k.startswith("rng.cuda."))
     if cuda:
         rng["cuda"] = [tensors[k] for k in cuda]
-    set_rng_state(rng)
+    groups = plain["optimizer"]["param_groups"]
+
+    def apply() -> None:
+        model.load_state_dict(weights)
+        optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
+        if scheduler is not None and plain["scheduler"] is not None:
+            scheduler.load_state_dict(plain["scheduler"])
+        if scaler is not None and plain["scaler"] is not None:
+            scaler.load_state_dict(plain["scaler"])
+        set_rng_state(rng)
+
+    return apply

@@ -1,0 +1,249 @@
+"""What a checkpoint folder may hold: step-bound file digests, a manifest and a plain state of the
+right shape, and DCP metadata read through an exact allow-list that can construct nothing else."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pickle
+import re
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from trainguard.events import TrainguardError
+
+MANIFEST = "manifest.json"
+PLAIN_STATE = "trainguard.json"
+METADATA = ".metadata"
+STEP_KEY = "trainguard.step"  # the step, written among the tensors, so the data names its step
+DIGEST_SCHEME = "sha256-step"  # sha256 over a header naming the step and the file, then the bytes
+_FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_PLAIN_KEYS = {"optimizer", "scheduler", "scaler", "rng", "guard", "data"}
+
+
+class DamagedCheckpoint(TrainguardError):
+    """A checkpoint whose files are missing, malformed or inconsistent: it is passed over."""
+
+
+@cache
+def _allowed_globals() -> frozenset[tuple[str, str]]:
+    """Exactly the (module, name) pairs DCP's metadata pickles refer to: no dotted names, no
+    module prefixes, nothing that runs code when it is called with any arguments."""
+    dcp = "torch.distributed.checkpoint.metadata"
+    pairs = {
+        (dcp, "Metadata"),
+        (dcp, "MetadataIndex"),
+        (dcp, "StorageMeta"),
+        (dcp, "TensorProperties"),
+        (dcp, "TensorStorageMetadata"),
+        (dcp, "ChunkStorageMetadata"),
+        (dcp, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),  # a lookup of a torch.layout by its name
+        ("torch", "Size"),
+        ("collections", "OrderedDict"),
+    }
+    for module in ("pathlib", "pathlib._local"):  # StorageMeta.checkpoint_id (3.13 moved it)
+        pairs |= {(module, "PosixPath"), (module, "WindowsPath"), (module, "PurePosixPath")}
+    pairs |= {("torch", n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
+    return frozenset(pairs)
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata: only the exact globals of `_allowed_globals`, looked up as they
+    are named (a dotted name such as `os.system` under an allowed module is refused)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _allowed_globals():
+            raise DamagedCheckpoint(
+                f"its {METADATA} names {module}.{name}, which a checkpoint never holds; "
+                "refusing to unpickle it"
+            )
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise DamagedCheckpoint(f"its {METADATA} holds a persistent id; refusing to unpickle it")
+
+
+def read_metadata(path: Path, files: dict[str, str] | None = None) -> Metadata:
+    """The DCP metadata of the checkpoint at `path`, unpickled safely and checked: every entry a
+    tensor, every storage file a plain name in the folder (and in `files`, the manifest's list)."""
+    try:
+        raw = (path / METADATA).read_bytes()
+    except OSError as exc:
+        raise DamagedCheckpoint(f"its {METADATA} cannot be read ({exc.strerror})") from None
+    try:
+        metadata = MetadataUnpickler(io.BytesIO(raw)).load()
+    except DamagedCheckpoint:
+        raise
+    except Exception as exc:  # a truncated or garbled pickle raises any of several kinds
+        raise DamagedCheckpoint(f"its {METADATA} is not DCP metadata ({exc!r})") from None
+    _check_metadata(metadata, files)
+    if metadata.storage_meta is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata  # type: ignore[no-any-return]
+
+
+def _check_metadata(metadata: Any, files: dict[str, str] | None) -> None:
+    bad = f"its {METADATA} is malformed"
+    if type(metadata) is not Metadata or not isinstance(metadata.state_dict_metadata, dict):
+        raise DamagedCheckpoint(f"{bad}: not a DCP Metadata")
+    for key, meta in metadata.state_dict_metadata.items():
+        if not isinstance(key, str) or type(meta) is not TensorStorageMetadata:
+            raise DamagedCheckpoint(f"{bad}: {key!r} is not a tensor; refusing to load it")
+        props = meta.properties
+        if type(props) is not TensorProperties or not isinstance(props.dtype, torch.dtype):
+            raise DamagedCheckpoint(f"{bad}: {key} has no dtype")
+        if type(meta.size) is not torch.Size or not all(
+            type(c) is ChunkStorageMetadata for c in meta.chunks
+        ):
+            raise DamagedCheckpoint(f"{bad}: {key} has no size")
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise DamagedCheckpoint(f"{bad}: no storage table")
+    for index, info in storage.items():
+        if type(index) is not MetadataIndex or type(info) is not _StorageInfo:
+            raise DamagedCheckpoint(f"{bad}: a storage entry of the wrong kind")
+        name = info.relative_path
+        if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or name.startswith("."):
+            raise DamagedCheckpoint(f"{bad}: storage file {name!r} is not a file of the folder")
+        if files is not None and name not in files:
+            raise DamagedCheckpoint(f"{bad}: storage file {name} is not in the manifest")
+        if not (isinstance(info.offset, int) and isinstance(info.length, int)):
+            raise DamagedCheckpoint(f"{bad}: storage of {index.fqn} has no offset")
+        if info.offset < 0 or info.length < 0 or info.transform_descriptors:
+            raise DamagedCheckpoint(f"{bad}: storage of {index.fqn} is not plain bytes")
+
+
+def tensor_entries(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
+    """The tensors of checked metadata by DCP key (`read_metadata` admits nothing else)."""
+    entries = metadata.state_dict_metadata.items()
+    return {k: m for k, m in entries if isinstance(m, TensorStorageMetadata)}
+
+
+class SafeReader(FileSystemReader):
+    """A `FileSystemReader` that reads its metadata with `read_metadata`, never a plain unpickle;
+    tensor data itself DCP reads with `torch.load(weights_only=True)`."""
+
+    def __init__(self, path: str | Path, files: dict[str, str] | None = None) -> None:
+        super().__init__(path)
+        self.files = files
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(Path(self.path), self.files)
+        assert metadata.storage_meta is not None
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def file_digest(path: Path, step: int) -> str:
+    """The sha256 of a checkpoint file bound to its step and name: the same bytes under another
+    step or another name have another digest."""
+    digest = hashlib.sha256(f"trainguard checkpoint step {step} file {path.name}\n".encode())
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _plain_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A JSON file of a checkpoint, or `DamagedCheckpoint` naming the file and the fault."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"its {path.name} is missing") from None
+    except OSError as exc:
+        raise DamagedCheckpoint(f"its {path.name} cannot be read ({exc.strerror})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise DamagedCheckpoint(f"its {path.name} is not {what} ({type(exc).__name__})") from None
+
+
+def verify_manifest(path: Path, step: int) -> dict[str, Any]:
+    """The manifest of the checkpoint `path` of `step`, once its step, its file list and every
+    file's digest check out; `DamagedCheckpoint` saying which does not."""
+    manifest = read_json(path / MANIFEST, "a JSON manifest")
+    if not isinstance(manifest, dict):
+        raise DamagedCheckpoint(f"its {MANIFEST} is not a JSON object")
+    if manifest.get("step") != step or type(manifest.get("step")) is not int:
+        raise DamagedCheckpoint(
+            f"its {MANIFEST} is of step {manifest.get('step')!r}, not {step} (moved or copied)"
+        )
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and _HEX64.fullmatch(v) for k, v in files.items()
+    ):
+        raise DamagedCheckpoint(f"its {MANIFEST} has no valid list of files and digests")
+    plain = [n for n in files if n == PLAIN_STATE or n.startswith("trainguard-rank")]
+    if not plain or METADATA not in files:
+        raise DamagedCheckpoint(f"its {MANIFEST} does not list the checkpoint's files")
+    bound = manifest.get("checksums") == DIGEST_SCHEME
+    for name, digest in files.items():
+        file = path / name
+        if not _FILE_NAME.fullmatch(name) or not file.is_file():
+            raise DamagedCheckpoint(f"its {name} is missing")
+        try:
+            actual = file_digest(file, step) if bound else _plain_sha256(file)
+        except OSError as exc:
+            raise DamagedCheckpoint(f"its {name} cannot be read ({exc.strerror})") from None
+        if actual != digest:
+            raise DamagedCheckpoint(f"its {name} fails its checksum")
+    return manifest
+
+
+def check_plain_state(plain: Any, step: int, name: str = PLAIN_STATE) -> dict[str, Any]:
+    """The plain state of a checkpoint, once it has every part in the right shape and names the
+    checkpoint's own step."""
+    if not isinstance(plain, dict) or not plain.keys() >= _PLAIN_KEYS:
+        missing = sorted(_PLAIN_KEYS - plain.keys()) if isinstance(plain, dict) else "all"
+        raise DamagedCheckpoint(f"its {name} lacks parts of the run's state ({missing})")
+    optimizer = plain["optimizer"]
+    if (
+        not isinstance(optimizer, dict)
+        or not isinstance(optimizer.get("param_groups"), list)
+        or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list)
+            for g in optimizer["param_groups"]
+        )
+        or not isinstance(optimizer.get("state"), dict)
+    ):
+        raise DamagedCheckpoint(f"its {name} has no optimizer state")
+    for part in ("scheduler", "scaler", "data"):
+        if plain[part] is not None and not isinstance(plain[part], dict):
+            raise DamagedCheckpoint(f"its {name} has a malformed {part} state")
+    guard = plain["guard"]
+    if not isinstance(guard, dict) or guard.get("global_step") != step:
+        found = guard.get("global_step") if isinstance(guard, dict) else None
+        raise DamagedCheckpoint(f"its {name} is of step {found!r}, not {step} (moved or copied)")
+    if not all(isinstance(guard.get(part), dict) for part in ("detectors", "policy")):
+        raise DamagedCheckpoint(f"its {name} has a malformed guard state")
+    if not isinstance(plain["rng"], dict):
+        raise DamagedCheckpoint(f"its {name} has no random state")
+    protected = plain.get("protected", [])
+    if not isinstance(protected, list) or not all(type(s) is int for s in protected):
+        raise DamagedCheckpoint(f"its {name} has a malformed list of protected checkpoints")
+    last_good = plain.get("last_good_checkpoint")
+    if last_good is not None and type(last_good) is not int:
+        raise DamagedCheckpoint(f"its {name} has a malformed last good checkpoint")
+    return plain

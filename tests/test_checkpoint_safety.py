@@ -1,0 +1,247 @@
+"""Checkpoints that cannot run code or crash resume: pickle payloads, damaged and mismatched
+checkpoints, and checkpoint writes that fail on a full disk without stopping training."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+import trainguard as tg
+from checkpoint_damage import (
+    BAD,
+    DAMAGES,
+    GOOD,
+    folder,
+    make_run,
+    payloads,
+    rehash,
+    tiny_config,
+    tiny_setup,
+    train,
+)
+from trainguard.actions import checkpoints as checkpoints_module
+from trainguard.actions.checkpoint_files import METADATA
+from trainguard.actions.checkpoints import CheckpointMismatch, CheckpointStore
+
+from helpers import read_jsonl
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> tuple[Path, dict[int, dict[str, torch.Tensor]]]:
+    run_dir = tmp_path_factory.mktemp("pristine")
+    return run_dir, make_run(run_dir)
+
+
+@pytest.fixture
+def run(pristine, tmp_path) -> tuple[Path, dict[int, dict[str, torch.Tensor]]]:
+    source, weights = pristine
+    run_dir = tmp_path / "run"
+    shutil.copytree(source, run_dir)
+    return run_dir, weights
+
+
+def resume(run_dir: Path, optimizer: str = "adamw") -> tuple[tg.Guard, torch.nn.Module]:
+    model, opt = tiny_setup(optimizer)
+    return tg.Guard.resume(run_dir, model, opt, config=tiny_config()), model
+
+
+def checkpoint_warnings(run_dir: Path) -> list[str]:
+    return [e["message"] for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "checkpoint"]
+
+
+def assert_weights(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> None:
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
+@pytest.mark.parametrize("name", sorted(DAMAGES))
+def test_a_damaged_checkpoint_is_passed_over_for_the_one_before_it(run, name):
+    run_dir, weights = run
+    damage, word = DAMAGES[name]
+    damage(folder(run_dir, BAD))
+    guard, model = resume(run_dir)
+    guard.close()
+    assert guard.global_step == GOOD
+    assert_weights(model, weights[GOOD])
+    (warning,) = [w for w in checkpoint_warnings(run_dir) if f"step-{BAD}" in w]
+    assert word in warning, warning
+    assert "using the one before it" in warning
+
+
+def test_with_every_checkpoint_damaged_the_run_starts_at_step_0_untouched(run):
+    run_dir, _ = run
+    for step in (GOOD, BAD):
+        (folder(run_dir, step) / METADATA).write_bytes(b"")
+        rehash(folder(run_dir, step), step)
+    model, opt = tiny_setup()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    guard = tg.Guard.resume(run_dir, model, opt, config=tiny_config())
+    guard.close()
+    assert guard.global_step == 0
+    assert_weights(model, before)
+    warnings = checkpoint_warnings(run_dir)
+    assert len([w for w in warnings if "unusable" in w]) == 2
+    assert any("no usable checkpoint" in w and "step 0" in w for w in warnings)
+
+
+def test_no_payload_runs_code_and_each_is_passed_over(run, tmp_path):
+    run_dir, weights = run
+    marker = tmp_path / "pwned"
+    bad = folder(run_dir, BAD)
+    real = (bad / METADATA).read_bytes()
+    cases = payloads(marker, real)
+    assert len(cases) >= 30
+    for name, data in cases.items():
+        (bad / METADATA).write_bytes(data)
+        rehash(bad)
+        guard, model = resume(run_dir)
+        guard.close()
+        assert not marker.exists(), f"{name} ran code"
+        assert guard.global_step == GOOD, name
+        assert_weights(model, weights[GOOD])
+        last = [w for w in checkpoint_warnings(run_dir) if f"step-{BAD}" in w][-1]
+        assert ".metadata" in last, (name, last)
+
+
+def test_the_stealth_payload_would_have_run_under_a_plain_unpickle(run, tmp_path):
+    """The payload suite is live: the stealth variant runs its command through pickle itself."""
+    import pickle
+
+    marker = tmp_path / "pwned"
+    real = (folder(run[0], BAD) / METADATA).read_bytes()
+    pickle.loads(payloads(marker, real)["stealth: payload then the real metadata"])
+    assert marker.exists()
+
+
+def test_a_checkpoint_of_another_optimizer_is_one_clear_error(run):
+    run_dir, _ = run
+    with pytest.raises(CheckpointMismatch, match="its optimizer is AdamW, the run's is SGD"):
+        resume(run_dir, optimizer="sgd")
+
+
+def test_a_checkpoint_of_another_model_names_what_differs(run):
+    run_dir, _ = run
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with pytest.raises(CheckpointMismatch) as caught:
+        tg.Guard.resume(run_dir, model, opt, config=tiny_config())
+    message = str(caught.value)
+    assert "3 model tensor(s) differ in shape (0.bias: [8] saved, [16] now)" in message
+    assert "\n" not in message and "new run_dir" in message
+    deeper = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    deeper.add_module("3", torch.nn.Linear(2, 2))
+    opt = torch.optim.AdamW(deeper.parameters(), lr=0.01)
+    with pytest.raises(CheckpointMismatch, match=r"the model has 2 tensor\(s\) it lacks \(3.bias"):
+        tg.Guard.resume(run_dir, deeper, opt, config=tiny_config())
+
+
+def test_a_failed_background_write_is_a_warning_and_training_goes_on(tmp_path, monkeypatch):
+    model, opt = tiny_setup()
+    config = tiny_config()
+    config.recovery.async_checkpoints = True
+    guard = tg.Guard(model, opt, config=config, run_dir=tmp_path)
+    train(guard, model, GOOD)
+    guard.checkpoints.wait()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(CheckpointStore, "_finish", full_disk)
+    train(guard, model, 2 * GOOD + 1)
+    guard.close()
+    assert guard.global_step == 2 * GOOD + 1
+    assert [p.name for p in guard.checkpoints.directory.iterdir()] == [f"step-{GOOD}"]
+    (warning,) = checkpoint_warnings(tmp_path)
+    assert "checkpoint of step 20 could not be written (No space left on device)" in warning
+
+
+def test_a_dcp_checkpoint_exception_never_escapes_into_training(tmp_path, monkeypatch):
+    """DCP's CheckpointException derives from BaseException, past an `except Exception`."""
+    model, opt = tiny_setup()
+    guard = tg.Guard(model, opt, config=tiny_config(), run_dir=tmp_path)
+    train(guard, model, GOOD)
+
+    def dcp_fails(*args, **kwargs):
+        raise CheckpointException("save failed", {0: (OSError(errno.EIO, "I/O error"), None)})
+
+    monkeypatch.setattr(checkpoints_module, "dcp_save", dcp_fails)
+    train(guard, model, 2 * GOOD)
+    guard.close()
+    assert guard.global_step == 2 * GOOD
+    assert sorted(p.name for p in guard.checkpoints.directory.iterdir()) == [f"step-{GOOD}"]
+    (warning,) = checkpoint_warnings(tmp_path)
+    assert "OSError: [Errno 5] I/O error" in warning
+
+
+def _mount_tmpfs(where: Path, size: str) -> bool:
+    where.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        capture_output=True,
+        check=False,
+    )
+    return done.returncode == 0
+
+
+def _fill(where: Path) -> None:
+    """Leave no free block under `where`."""
+    f = (where / "filler").open("wb", buffering=0)
+    for size in (1 << 16, 512, 1):
+        try:
+            while True:
+                f.write(b"\0" * size)
+        except OSError:
+            pass
+    f.close()
+
+
+def test_a_full_disk_never_stops_training_and_resume_works_on_it(tmp_path):
+    """The checkpoint folder on a real 1 MiB tmpfs (as root), else a folder whose writes fail."""
+    checkpoints = tmp_path / "checkpoints"
+    mounted = _mount_tmpfs(checkpoints, "1m")
+    try:
+        model, opt = tiny_setup()
+        guard = tg.Guard(model, opt, config=tiny_config(), run_dir=tmp_path)
+        train(guard, model, GOOD)
+        assert (checkpoints / f"step-{GOOD}").is_dir()
+        if mounted:
+            _fill(checkpoints)
+        else:
+            os.chmod(checkpoints, 0o500)  # not root: no new folder can be made there
+        train(guard, model, 4 * GOOD)
+        guard.close()
+        assert guard.global_step == 4 * GOOD
+        left = sorted(p.name for p in checkpoints.iterdir() if p.name != "filler")
+        assert left == [f"step-{GOOD}"]  # no temporary folder, the older checkpoint kept
+        warnings = checkpoint_warnings(tmp_path)
+        assert len(warnings) == 3 and all("could not be written" in w for w in warnings)
+        guard, model = resume(tmp_path)
+        guard.close()
+        assert guard.global_step == GOOD
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(checkpoints)], check=False)
+
+
+def test_the_leftovers_of_an_interrupted_write_are_removed_on_resume(run):
+    run_dir, _ = run
+    leftover = run_dir / "checkpoints" / ".step-30.tmp-deadbeef"
+    leftover.mkdir()
+    (leftover / "__0_0.distcp").write_bytes(b"\0" * 1000)
+    guard, _ = resume(run_dir)
+    guard.close()
+    assert not leftover.exists()
+    assert guard.global_step == BAD
+    assert any(
+        "incomplete checkpoint" in w and "removed" in w for w in checkpoint_warnings(run_dir)
+    )
