@@ -4,6 +4,8 @@ checkpoints, and checkpoint writes that fail on a full disk without stopping tra
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -245,3 +247,19 @@ def test_the_leftovers_of_an_interrupted_write_are_removed_on_resume(run):
     assert any(
         "incomplete checkpoint" in w and "removed" in w for w in checkpoint_warnings(run_dir)
     )
+
+
+def test_a_checkpoint_with_plain_sha256_digests_of_an_earlier_release_still_resumes(run):
+    """Manifests written before the digests were bound to the step still verify."""
+    run_dir, weights = run
+    bad = folder(run_dir, BAD)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    del manifest["checksums"]
+    manifest["files"] = {
+        n: hashlib.sha256((bad / n).read_bytes()).hexdigest() for n in manifest["files"]
+    }
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    guard, model = resume(run_dir)
+    guard.close()
+    assert guard.global_step == BAD
+    assert_weights(model, weights[BAD])
