@@ -1,0 +1,341 @@
+"""Faults from outside the model: SIGKILL at random moments (some inside a checkpoint write),
+damaged and mismatched checkpoints, pickle payloads in DCP's metadata, and a full disk under the
+whole run folder; trials and failures of each, written into RESULTS.md.
+
+python benchmarks/faults.py [--kills 24] [--seed 0] [--disk-mib 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent / "tests"
+sys.path.insert(0, str(TESTS))
+
+import trainguard as tg  # noqa: E402
+from _common import write_section  # noqa: E402
+from checkpoint_damage import (  # noqa: E402
+    BAD,
+    DAMAGES,
+    GOOD,
+    folder,
+    make_run,
+    payloads,
+    rehash,
+    tiny_config,
+    tiny_setup,
+)
+from trainguard.actions.checkpoint_files import METADATA  # noqa: E402
+from trainguard.actions.checkpoints import CheckpointMismatch, CheckpointStore  # noqa: E402
+
+WORKER = TESTS / "resume_worker.py"
+STEPS = 120  # the worker checkpoints every 40 steps
+
+
+def _worker(run_dir: Path, *args: str) -> subprocess.Popen[bytes]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), str(run_dir), str(STEPS), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _losses(run_dir: Path) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for line in (run_dir / "losses.txt").read_text().splitlines():
+        step, value = line.split()
+        out[int(step)] = value
+    return out
+
+
+def _events(run_dir: Path) -> list[dict[str, object]]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def kill_trials(n: int, rng: random.Random, work: Path) -> tuple[str, dict[str, int]]:
+    """SIGKILL `n` runs, at random wall-clock moments and inside checkpoint writes, resume each."""
+    reference = work / "reference"
+    start = time.perf_counter()
+    proc = _worker(reference)
+    _, err = proc.communicate()
+    assert proc.returncode == 0, err.decode()[-2000:]
+    duration = time.perf_counter() - start
+    expected = _losses(reference)
+    counts = {"trials": 0, "during a write": 0, "corrupt loads": 0, "bit-equal": 0, "failed": 0}
+    rows = []
+    for i in range(n):
+        run_dir = work / f"kill-{i}"
+        if i % 3 == 2:  # inside DCP's writer, the files half written
+            how = f"inside the write of step {40 * (1 + i % 2)}"
+            proc = _worker(run_dir, "--kill-writing", str(40 * (1 + i % 2)))
+            proc.wait()
+        else:
+            delay = rng.uniform(0.25, 0.95) * duration
+            how = f"after {delay:.1f} s"
+            proc = _worker(run_dir)
+            time.sleep(delay)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        if proc.returncode != -signal.SIGKILL:
+            rows.append(f"| {i} | {how} | finished before the kill | - | - |")
+            continue
+        counts["trials"] += 1
+        checkpoints = run_dir / "checkpoints"
+        writing = checkpoints.is_dir() and any(".tmp-" in p.name for p in checkpoints.iterdir())
+        counts["during a write"] += writing
+        done = subprocess.run(
+            [sys.executable, str(WORKER), str(run_dir), str(STEPS), "--resume"],
+            capture_output=True,
+            check=False,
+        )
+        events = _events(run_dir)
+        unusable = [e for e in events if "unusable" in str(e.get("message", ""))]
+        resumed = [e["metrics"] for e in events if e["kind"] == "resume"]
+        same = done.returncode == 0 and _losses(run_dir) == expected
+        counts["corrupt loads"] += bool(unusable)
+        counts["bit-equal"] += same
+        counts["failed"] += not same
+        step = resumed[0]["step"] if resumed else 0  # type: ignore[index]
+        rows.append(
+            f"| {i} | {how} | {'yes' if writing else 'no'} | {step} | {'yes' if same else 'NO'} |"
+        )
+    table = "\n".join(
+        [
+            "| trial | killed | a checkpoint half written | resumed from step | "
+            "trajectory bit-equal |",
+            "|---:|---|---|---:|---|",
+            *rows,
+        ]
+    )
+    return table, counts
+
+
+def damage_trials(work: Path) -> tuple[str, dict[str, int]]:
+    """Each damage of the catalogue on the newest checkpoint; resume must fall back to the
+    one before it, with its weights, and one warning naming the fault."""
+    pristine = work / "pristine"
+    weights = make_run(pristine)
+    counts = {"cases": 0, "passed over": 0, "failed": 0}
+    failures = []
+    for name, (damage, word) in DAMAGES.items():
+        run_dir = work / "damage"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.copytree(pristine, run_dir)
+        damage(folder(run_dir, BAD))
+        counts["cases"] += 1
+        try:
+            model, opt = tiny_setup()
+            guard = tg.Guard.resume(run_dir, model, opt, config=tiny_config())
+            guard.close()
+            warned = [
+                str(e["message"])
+                for e in _events(run_dir)
+                if e["kind"] == "checkpoint" and f"step-{BAD}" in str(e["message"])
+            ]
+            fits = all(torch.equal(v, weights[GOOD][k]) for k, v in model.state_dict().items())
+            ok = guard.global_step == GOOD and fits and len(warned) == 1 and word in warned[0]
+        except Exception as exc:
+            ok, warned = False, [f"{type(exc).__name__}: {exc}"]
+        counts["passed over" if ok else "failed"] += 1
+        if not ok:
+            failures.append(f"- {name}: {warned}")
+    for optimizer, expect in (("sgd", "its optimizer is AdamW"),):
+        counts["cases"] += 1
+        try:
+            model, opt = tiny_setup(optimizer)
+            tg.Guard.resume(pristine, model, opt, config=tiny_config()).close()
+            failures.append(f"- {optimizer}: resumed without an error")
+            counts["failed"] += 1
+        except CheckpointMismatch as exc:
+            ok = expect in str(exc)
+            counts["passed over" if ok else "failed"] += 1
+    return "\n".join(failures) or "none", counts
+
+
+def payload_trials(work: Path) -> dict[str, int]:
+    """Every payload as `.metadata`, its digest updated: nothing may run, each is passed over."""
+    pristine = work / "pristine"
+    marker = work / "pwned"
+    real = (folder(pristine, BAD) / METADATA).read_bytes()
+    counts = {"payloads": 0, "ran code": 0, "passed over": 0}
+    for data in payloads(marker, real).values():
+        run_dir = work / "payload"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.copytree(pristine, run_dir)
+        (folder(run_dir, BAD) / METADATA).write_bytes(data)
+        rehash(folder(run_dir, BAD))
+        model, opt = tiny_setup()
+        guard = tg.Guard.resume(run_dir, model, opt, config=tiny_config())
+        guard.close()
+        counts["payloads"] += 1
+        counts["ran code"] += marker.exists()
+        counts["passed over"] += guard.global_step == GOOD
+        marker.unlink(missing_ok=True)
+    return counts
+
+
+def disk_full_trial(work: Path, mib: int) -> dict[str, object]:
+    """Train through a full disk with the whole run folder on a small tmpfs (root), then resume
+    on the still-full disk."""
+    run_dir = work / "tmpfs"
+    run_dir.mkdir()
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(run_dir)],
+            capture_output=True,
+            check=False,
+        ).returncode
+        == 0
+    )
+    if not mounted:
+        return {"run": "not run: mounting a tmpfs needs root"}
+    try:
+        from trainguard.demo import TinyGPT
+
+        torch.manual_seed(0)
+        model = TinyGPT()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        config = tg.GuardConfig(
+            console=False,
+            log_every=1,
+            recovery={"checkpoint_every": 10, "keep_checkpoints": 3},
+        )
+        guard = tg.Guard(model, opt, config=config, run_dir=run_dir)
+        x = torch.randint(0, 64, (8, 33), generator=torch.Generator().manual_seed(0))
+        steps, error = 300, None
+        try:
+            while guard.global_step < steps:
+                if guard.global_step == steps // 3:  # something else fills the disk
+                    _fill(run_dir)
+                loss = model.loss(model(x[:, :32]), x[:, 1:])
+                loss.backward()
+                guard.step(loss)
+                opt.zero_grad(set_to_none=True)
+            guard.close()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            try:
+                guard.close()
+            except Exception as again:
+                error += f"; then close: {type(again).__name__}: {again}"
+        lines = (run_dir / "metrics.jsonl").read_bytes().split(b"\n")
+        partial = sum(1 for line in lines[:-1] if not _is_json(line)) + (lines[-1] != b"")
+        failed_writes = sum(
+            1 for e in _events(run_dir) if "could not be written" in str(e.get("message", ""))
+        )
+        checkpoints = run_dir / "checkpoints"
+        left = [p.name for p in checkpoints.glob(".step-*.tmp-*")]
+        complete = [p.name for p in CheckpointStore(checkpoints).complete()]
+        resumed_at: object = None
+        try:
+            model2 = TinyGPT()
+            opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+            again = tg.Guard.resume(run_dir, model2, opt2, config=config)
+            resumed_at = again.global_step
+            again.close()
+        except Exception as exc:
+            resumed_at = f"{type(exc).__name__}: {exc}"
+        return {
+            "run": f"{steps} steps of TinyGPT, the run folder on a {mib} MiB tmpfs, "
+            f"filled at step {steps // 3}",
+            "steps trained": guard.global_step,
+            "error": error,
+            "checkpoint failures reported": failed_writes,
+            "temporary folders left": len(left),
+            "complete checkpoints kept": complete,
+            "partial lines in metrics.jsonl": partial,
+            "resume on the full disk": resumed_at,
+        }
+    finally:
+        subprocess.run(["umount", "-l", str(run_dir)], check=False)
+
+
+def _fill(where: Path) -> None:
+    """Leave no free byte under `where`."""
+    f = (where / "filler").open("wb", buffering=0)
+    for size in (1 << 16, 512, 1):
+        try:
+            while True:
+                f.write(b"\0" * size)
+        except OSError:
+            pass
+    f.close()
+
+
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--kills", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--disk-mib", type=int, default=8)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        damage_failures, damage = damage_trials(work)
+        print("damage", damage, file=sys.stderr)
+        payload = payload_trials(work)
+        print("payloads", payload, file=sys.stderr)
+        disk = disk_full_trial(work, args.disk_mib)
+        print("disk", disk, file=sys.stderr)
+        kill_table, kills = kill_trials(args.kills, rng, work)
+        print("kills", kills, file=sys.stderr)
+    body = "\n".join(
+        [
+            f"**SIGKILL** ({args.kills} runs of the resume worker, 120 TinyGPT steps, a "
+            "checkpoint every 40, asynchronous; killed at a random moment, or inside DCP's "
+            f"writer, then resumed): {kills['trials']} killed, {kills['during a write']} "
+            f"of them with a checkpoint half written, {kills['corrupt loads']} corrupt loads, "
+            f"{kills['bit-equal']} resumed onto the uninterrupted trajectory bit for bit, "
+            f"{kills['failed']} failed.",
+            "",
+            kill_table,
+            "",
+            f"**Damaged checkpoints** ({damage['cases']} cases: the catalogue of "
+            "`tests/checkpoint_damage.py` on the newest checkpoint, most with their digests "
+            "updated, plus a checkpoint of AdamW resumed into SGD): "
+            f"{damage['passed over']} handled as they must be (passed over for the one before "
+            "it with its weights and one warning naming the fault; the mismatch a clear "
+            f"error), {damage['failed']} failed. Failures: {damage_failures}",
+            "",
+            f"**Pickle payloads** ({payload['payloads']} `.metadata` payloads, digests "
+            f"updated): {payload['ran code']} ran code, {payload['passed over']} passed over.",
+            "",
+            "**Full disk**: " + "; ".join(f"{k}: {v}" for k, v in disk.items()) + ".",
+        ]
+    )
+    write_section(
+        "faults",
+        "Faults from outside: kills, damaged checkpoints, payloads, a full disk",
+        body,
+        f"python benchmarks/faults.py --kills {args.kills} --seed {args.seed}",
+    )
+
+
+if __name__ == "__main__":
+    main()
