@@ -3,6 +3,7 @@ event files) as columns, streamed so that a file of several GB fits in memory.""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -10,7 +11,7 @@ import math
 import re
 import warnings
 from array import array
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,14 +193,10 @@ def json_object(line: str | bytes, exact: bool = True) -> dict[str, Any] | None:
     integers of up to Python's 4300-digit limit as they are."""
     try:
         value = json.loads(line) if exact else _LONG_INTS_AS_FLOATS.decode(_text(line))
-    except RecursionError:
-        return None
-    except json.JSONDecodeError:
+    except (RecursionError, json.JSONDecodeError):
         return None
     except ValueError:  # an integer past Python's digit limit, or bytes that are not UTF-8
-        if not exact:
-            return None
-        return json_object(line, exact=False)
+        return json_object(line, exact=False) if exact else None
     return value if isinstance(value, dict) else None
 
 
@@ -245,7 +242,8 @@ def _delimited(p: Path, delimiter: str, names: dict[str, str]) -> LogData:
     with p.open("rb") as f:
         first = f.readline().decode("utf-8-sig", errors="replace")
         try:
-            header = next(csv.reader([first.rstrip("\r\n")], delimiter=delimiter), [])
+            with _field_limit(len(first)):
+                header = next(csv.reader([first.rstrip("\r\n")], delimiter=delimiter), [])
         except csv.Error as exc:
             raise TrainguardError(
                 f"{p}: the first line is not a header of column names ({exc}); "
@@ -267,8 +265,9 @@ def _delimited(p: Path, delimiter: str, names: dict[str, str]) -> LogData:
             if data.strip():
                 block = _fast_block(data, delimiter, where)
                 if block is None:
-                    text = data.decode("utf-8", errors="replace").splitlines()
-                    block = _slow_block(text, delimiter, where, line, out)
+                    text = data.decode("utf-8", errors="replace")
+                    with _field_limit(len(text)):
+                        block = _slow_block(text.splitlines(), delimiter, where, line, out)
                 out.add(block)
             line += data.count(b"\n")
             if not chunk:
@@ -320,6 +319,18 @@ def _parse_pandas(data: bytes, delimiter: str, cols: list[int]) -> np.ndarray | 
     return table
 
 
+@contextlib.contextmanager
+def _field_limit(size: int) -> Iterator[None]:
+    """csv's field size limit raised to at least `size` for a while: a field of a log may be as
+    long as the text it is read from (a 50 MB note column is no reason to pass a row over)."""
+    old = csv.field_size_limit()
+    csv.field_size_limit(max(old, size))
+    try:
+        yield
+    finally:
+        csv.field_size_limit(old)
+
+
 def _slow_block(
     lines: list[str],
     delimiter: str,
@@ -335,7 +346,7 @@ def _slow_block(
             row = next(reader)
         except StopIteration:
             break
-        except csv.Error:  # a field over csv's size limit, a stray carriage return
+        except csv.Error:  # a stray carriage return, or whatever else csv refuses
             out.skip(number)
             continue
         if not row or not any(cell.strip() for cell in row):
