@@ -84,7 +84,7 @@ def _number(value: Any) -> float:
     return math.nan
 
 
-def _is_step(value: Any) -> bool:
+def is_step(value: Any) -> bool:
     """An integer step that fits the int64 step column (JSON's true and false are no steps)."""
     return isinstance(value, int) and not isinstance(value, bool) and -MAX_STEP <= value < MAX_STEP
 
@@ -102,7 +102,7 @@ def _is_event(record: dict[str, Any]) -> bool:
     known severity, and metrics (when given) that are an object."""
     return (
         isinstance(record.get("kind"), str)
-        and _is_step(record.get("step"))
+        and is_step(record.get("step"))
         and record.get("severity", "info") in SEVERITIES
         and isinstance(record.get("metrics", {}), dict)
         and _depth(record) <= MAX_DEPTH
@@ -135,7 +135,7 @@ def _read_lines(path: Path, warnings: list[str], exact: bool = True) -> list[dic
 def _run_dir(p: Path) -> RunRecord:
     warnings: list[str] = []
     lines = _read_lines(p / "metrics.jsonl", warnings)
-    records = [r for r in lines if _is_step(r.get("step"))]
+    records = [r for r in lines if is_step(r.get("step"))]
     if len(records) < len(lines):
         warnings.append(
             f"passed over {len(lines) - len(records)} line(s) of metrics.jsonl without an "
@@ -155,7 +155,7 @@ def _run_dir(p: Path) -> RunRecord:
     columns = {
         name: np.array([_number(records[i].get(name)) for i in kept])
         for name in COLUMNS
-        if any(name in records[i] for i in kept)
+        if name == "loss" or any(name in records[i] for i in kept)  # a loss column, even empty
     }
     abandoned = {
         "step": np.array([records[i]["step"] for i in dropped], dtype=np.int64),

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trainguard.analysis.logs import json_object
+from trainguard.analysis.run import is_step
 from trainguard.events import TrainguardError
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -66,10 +67,6 @@ def sparkline(values: list[float]) -> str:
     )
 
 
-def _is_step(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _number(value: Any) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
@@ -103,13 +100,13 @@ class RunWatcher:
         """Read what the run appended since the last poll; lines without an integer step are
         not metrics or events of a guard and are passed over."""
         for record in self._metrics.lines():
-            if not _is_step(record.get("step")):
+            if not is_step(record.get("step")):
                 continue
             self.step = record["step"]
             self.loss.append(_number(record.get("loss")))
             self.grad.append(_number(record.get("grad_norm")))
         for event in self._events.lines():
-            if not _is_step(event.get("step")):
+            if not is_step(event.get("step")):
                 continue
             severity = event.get("severity")
             if severity == "warning" or severity == "critical":
