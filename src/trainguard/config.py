@@ -421,7 +421,7 @@ class GuardConfig(_Section):
             return cls.model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+            where = ".".join(_printable(p) for p in first["loc"]) or "(top level)"
             more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
             raise ConfigError(
                 f"{source}: {where}: {first['msg']}{more}; fix that field or remove it"
@@ -505,6 +505,13 @@ def _nesting_bound(text: str) -> int:
     if not opens.any():
         return 0
     return int(np.cumsum(opens[opens | closes].astype(np.int64) * 2 - 1).max())
+
+
+def _printable(key: Any) -> str:
+    """A key as an error names it: as it is, or quoted with escapes when it holds a newline or
+    another unprintable character, so that the error stays on one line."""
+    text = str(key)
+    return text if text.isprintable() else repr(text)
 
 
 def _kind_of(value: Any) -> str:
