@@ -64,3 +64,7 @@ def test_partial_lines_wait_for_their_end(tmp_path):
     assert watcher.step == 1 and watcher.health == "ok"
     assert sparkline([1.0, 2.0, 3.0]) == "▁▄█"
     assert sparkline([1.0, float("nan")]).endswith("!")
+
+
+def test_sparkline_of_values_near_the_float_limit():
+    assert sparkline([-1.7e308, 0.0, 1.7e308]) == "▁▄█"

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from types import ModuleType
+from typing import Annotated, Any, NoReturn
 
 import typer
 import yaml
@@ -22,6 +23,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 err = Console(stderr=True)
+MAX_MESSAGE = 2000  # characters of an error line; a longer one is cut
+MAX_REFRESH_S = 86_400.0
+LINT_KEYS = ("model", "optimizer", "scheduler", "scaler")
+SCAN_KEYS = ("model", "batches", "per_sample_loss_fn")
 
 
 @app.command()
@@ -75,8 +80,8 @@ def analyze(
         typer.echo(json.dumps(result.to_dict()))
     else:
         for warning in data.warnings:
-            err.print(f"[yellow]warning:[/] {warning}", highlight=False)
-        table = Table(title=f"trainguard analyze {path}", title_justify="left")
+            err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+        table = Table(title=escape(f"trainguard analyze {path}"), title_justify="left")
         for name in ("step", "kind", "type", "severity", "magnitude", "what"):
             table.add_column(name, overflow="fold")
         for e in result.events:
@@ -89,7 +94,7 @@ def analyze(
                 e.type or "",
                 e.severity,
                 f"{magnitude:.3g}" if isinstance(magnitude, float) else str(magnitude),
-                e.message,
+                escape(e.message),
             )
         console = Console()
         console.print(table)
@@ -127,11 +132,18 @@ def report(
 
     cfg = GuardConfig.load(config) if config is not None else None
     record = load_run(source, cfg)
+    for warning in record.warnings:
+        err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
     if output.is_dir():
         raise TrainguardError(f"{output} is a directory: give the HTML file to write with -o")
     if not output.parent.exists():
         raise TrainguardError(f"{output.parent} does not exist: create it or choose another -o")
-    path = write_report(record, output, title)
+    try:
+        path = write_report(record, output, title)
+    except OSError as exc:
+        raise TrainguardError(
+            f"cannot write {output}: {exc.strerror or exc}; choose another -o"
+        ) from None
     incidents = sum(1 for e in record.events if e.get("severity") in ("warning", "critical"))
     err.print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MB, {incidents} warning+ events)")
 
@@ -146,12 +158,22 @@ def watch(
 ) -> None:
     """A live terminal dashboard of a running job: step, loss and grad-norm sparklines, health,
     the latest incidents. Stops by itself when the run halts."""
+    import math
     import time
 
     from rich.live import Live
 
     from trainguard.analysis.watch import RunWatcher
 
+    if not 0 < refresh <= MAX_REFRESH_S:
+        raise TrainguardError(
+            f"--refresh must be a number of seconds above 0 and at most {MAX_REFRESH_S:g}, "
+            f"got {refresh}"
+        )
+    if duration is not None and not duration >= 0:
+        raise TrainguardError(f"--duration must be a number of seconds >= 0, got {duration}")
+    if duration is not None and math.isinf(duration):
+        duration = None  # forever, as without it
     if not run_dir.is_dir():
         raise TrainguardError(f"{run_dir} is not a directory: give the run_dir of a Guard")
     watcher = RunWatcher(run_dir)
@@ -189,24 +211,29 @@ def lint_command(
     from trainguard.events import SEVERITY_RANK
 
     setup = _load_setup(target)
-    findings = lint(
-        setup["model"],
-        setup.get("optimizer"),
-        setup.get("scheduler"),
-        setup.get("scaler"),
-        max_grad_norm,
-        total_steps,
-    )
+    try:
+        findings = lint(
+            setup["model"],
+            setup.get("optimizer"),
+            setup.get("scheduler"),
+            setup.get("scaler"),
+            max_grad_norm,
+            total_steps,
+        )
+    except TrainguardError:
+        raise
+    except Exception as exc:  # the model, optimizer or scheduler of the set-up failed
+        raise _user_code_error(f"linting the set-up of {target}", exc) from None
     if as_json:
         typer.echo(json.dumps([f.to_dict() for f in findings], indent=1))
     elif not findings:
         Console().print("[green]no findings[/]")
     else:
-        table = Table(title=f"trainguard lint {target}", title_justify="left")
+        table = Table(title=escape(f"trainguard lint {target}"), title_justify="left")
         for column in ("severity", "code", "what", "fix"):
             table.add_column(column, overflow="fold")
         for f in findings:
-            table.add_row(f.severity, f.code, f.message, f.fix)
+            table.add_row(f.severity, f.code, escape(f.message), escape(f.fix))
         Console().print(table)
     if any(SEVERITY_RANK[f.severity] >= SEVERITY_RANK["warning"] for f in findings):
         raise typer.Exit(1)
@@ -232,67 +259,127 @@ def scan_command(
     """Scan a dataset offline for toxic samples and quarantine them for the guard."""
     from trainguard.diagnosis.scan import scan
 
-    setup = _load_setup(target, ("model", "batches", "per_sample_loss_fn"))
+    setup = _load_setup(target, SCAN_KEYS)
     extra = {k: setup[k] for k in ("ids", "text") if k in setup}
-    result = scan(
-        setup["model"],
-        setup["batches"],
-        setup["per_sample_loss_fn"],
-        z_threshold=z,
-        perplexity=perplexity,
-        quarantine_path=run_dir / "quarantine.jsonl",
-        **extra,
-    )
+    try:
+        result = scan(
+            setup["model"],
+            setup["batches"],
+            setup["per_sample_loss_fn"],
+            z_threshold=z,
+            perplexity=perplexity,
+            quarantine_path=run_dir / "quarantine.jsonl",
+            **extra,
+        )
+    except (TrainguardError, OSError):
+        raise
+    except Exception as exc:  # the model, batches or loss function of the set-up failed
+        raise _user_code_error(f"scanning with {target}", exc) from None
     console = Console()
     console.print(
         f"scanned {result.scanned} samples (median loss {result.median_loss:.4g}); "
         f"{len(result.flagged)} flagged"
-        + (f" and quarantined in {result.quarantine}" if result.flagged else "")
+        + (f" and quarantined in {result.quarantine}" if result.flagged else ""),
+        markup=False,
     )
     for s in result.flagged[:20]:
         preview = f"  {s.preview!r}" if s.preview else ""
-        console.print(f"  {s.id}: loss {s.loss:.4g} (z={s.z:.1f}){preview}", highlight=False)
+        console.print(
+            f"  {s.id}: loss {s.loss:.4g} (z={s.z:.1f}){preview}", highlight=False, markup=False
+        )
 
 
-def _load_setup(
-    target: str, keys: tuple[str, ...] = ("model", "optimizer", "scheduler", "scaler")
-) -> dict[str, Any]:
-    import importlib
-    import importlib.util
-    import sys
-
-    from torch import nn
-
+def _load_setup(target: str, keys: tuple[str, ...] = LINT_KEYS) -> dict[str, Any]:
+    """What the factory named by `target` builds, by `keys`; the user's code failing to import,
+    raising or returning the wrong things is a TrainguardError that says which."""
     where, _, name = target.rpartition(":")
     if not where or not name:
-        raise TrainguardError(f"lint needs MODULE:FUNCTION or FILE.py:FUNCTION, got {target!r}")
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise TrainguardError(f"{path} not found: give the file that builds the set-up")
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.path.insert(0, str(path.parent.resolve()))
-        spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as exc:
-            raise TrainguardError(f"cannot import {where}: {exc}") from None
-    factory = getattr(module, name, None)
+        raise TrainguardError(f"give MODULE:FUNCTION or FILE.py:FUNCTION, got {target!r}")
+    module = _import_module(where)
+    try:
+        factory = getattr(module, name, None)
+        built = factory() if callable(factory) else None
+    except (Exception, SystemExit) as exc:  # the user's code: its failure is bad input
+        raise _user_code_error(target, exc) from None
     if not callable(factory):
         raise TrainguardError(f"{where} has no function {name} that builds the set-up")
-    built = factory()
     if isinstance(built, dict):
         setup = dict(built)
     elif isinstance(built, (tuple, list)):
         setup = dict(zip(keys, built, strict=False))
     else:
         setup = {"model": built}
-    if not isinstance(setup.get("model"), nn.Module):
-        raise TrainguardError(f"{target} must return a torch.nn.Module first (or under 'model')")
+    _check_setup(target, setup, keys)
     return setup
+
+
+def _import_module(where: str) -> ModuleType:
+    """The module of a target: a FILE.py run as a module, or an importable MODULE."""
+    import importlib
+    import importlib.util
+    import sys
+
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise TrainguardError(f"{path} not found: give the file that builds the set-up")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:
+            raise TrainguardError(f"{path} cannot be imported: give a Python source file")
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(path.parent.resolve()))
+        try:
+            spec.loader.exec_module(module)
+        except (Exception, SystemExit) as exc:  # a syntax error, a failing import, ...
+            raise _user_code_error(f"importing {path}", exc) from None
+        return module
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as exc:
+        raise TrainguardError(f"cannot import {where}: {exc}") from None
+    except (Exception, SystemExit) as exc:
+        raise _user_code_error(f"importing {where}", exc) from None
+
+
+def _check_setup(target: str, setup: dict[str, Any], keys: tuple[str, ...]) -> None:
+    """The set-up has what lint or scan needs, of the right types, or a TrainguardError says
+    what is wrong with it."""
+    from collections.abc import Iterable
+
+    import torch
+
+    def wrong(key: str, needed: str) -> TrainguardError:
+        got = type(setup[key]).__name__ if key in setup else "nothing"
+        return TrainguardError(f"{target} gave {got} as its {key}: it must be {needed}")
+
+    if not isinstance(setup.get("model"), torch.nn.Module):
+        raise wrong("model", "a torch.nn.Module (returned first, or under 'model')")
+    if keys == SCAN_KEYS:
+        if not isinstance(setup.get("batches"), Iterable):
+            raise wrong("batches", "an iterable of batches")
+        if not callable(setup.get("per_sample_loss_fn")):
+            raise wrong("per_sample_loss_fn", "a function of (model, batch)")
+        if "ids" in setup and not callable(setup["ids"]):
+            raise wrong("ids", "a function of a batch")
+        if setup.get("text") is not None and not callable(setup["text"]):
+            raise wrong("text", "a function of a batch or None")
+        return
+    optimizer, scheduler, scaler = (setup.get(k) for k in ("optimizer", "scheduler", "scaler"))
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise wrong("optimizer", "a torch.optim.Optimizer or None")
+    methods = ("step", "state_dict", "load_state_dict")
+    if scheduler is not None and not all(callable(getattr(scheduler, m, None)) for m in methods):
+        raise wrong("scheduler", "an LR scheduler of torch.optim.lr_scheduler or None")
+    if scaler is not None and not callable(getattr(scaler, "is_enabled", None)):
+        raise wrong("scaler", "a torch.amp.GradScaler or None")
+
+
+def _user_code_error(what: str, exc: BaseException) -> TrainguardError:
+    """The user's code failed: one line naming what ran and what it raised."""
+    detail = str(exc)
+    return TrainguardError(
+        f"{what} raised {type(exc).__name__}" + (f": {detail}" if detail else "")
+    )
 
 
 @app.command()
@@ -302,12 +389,31 @@ def version() -> None:
 
 
 def main() -> None:
-    """Entry point: run the app, turning trainguard's errors into one line and exit code 2."""
+    """Entry point: run the app, turning every error into one line and exit code 2, never a
+    traceback: trainguard's errors as they say, a path that failed with the OS's reason, and
+    anything else as an internal error to report."""
     try:
         app()
     except TrainguardError as exc:
-        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        raise SystemExit(2) from None
+        _fail(str(exc))
     except KeyboardInterrupt:
         err.print("interrupted")
         raise SystemExit(130) from None
+    except OSError as exc:  # a path the command could not read or write
+        where = f"{exc.filename}: " if exc.filename else ""
+        _fail(f"{where}{exc.strerror or exc}; check the path and its permissions")
+    except Exception as exc:  # the last resort: a bug, said in one line
+        _fail(
+            f"internal error ({type(exc).__name__}: {exc}); please report it with the command "
+            "you ran"
+        )
+
+
+def _fail(message: str) -> NoReturn:
+    """Print `message` as one line (whitespace folded, cut at `MAX_MESSAGE` characters) after
+    "error:" and exit 2."""
+    line = " ".join(message.split())
+    if len(line) > MAX_MESSAGE:
+        line = line[: MAX_MESSAGE - 3] + "..."
+    err.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+    raise SystemExit(2) from None

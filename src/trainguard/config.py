@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import yaml
 from pydantic import (
     BaseModel,
@@ -420,7 +421,7 @@ class GuardConfig(_Section):
             return cls.model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+            where = ".".join(_printable(p) for p in first["loc"]) or "(top level)"
             more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
             raise ConfigError(
                 f"{source}: {where}: {first['msg']}{more}; fix that field or remove it"
@@ -430,22 +431,90 @@ class GuardConfig(_Section):
     def load(cls, path: str | Path) -> GuardConfig:
         """Read a YAML (.yaml/.yml) or TOML (.toml) file; JSON is accepted as YAML."""
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}; pass the path of a YAML or TOML file")
-        text = p.read_text(encoding="utf-8")
-        try:
-            if p.suffix.lower() == ".toml":
-                data: Any = tomllib.loads(text)
-            else:
-                data = yaml.safe_load(text)
-        except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
-            line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ConfigError(f"{p}: not valid {p.suffix.lstrip('.') or 'YAML'}: {line}") from None
+        data = _parse(p, _read_text(p))
         if data is None:
             data = {}
         if not isinstance(data, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping of settings")
+            raise ConfigError(
+                f"{p}: the top level must be a mapping of settings, not a {_kind_of(data)}"
+            )
         return cls.from_dict(data, source=str(p))
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
+
+
+MAX_CONFIG_DEPTH = 50  # a config nests 3 levels; deeper input is refused before it is parsed
+
+
+def _read_text(p: Path) -> str:
+    """The text of a config file, or a one-line error that says what is wrong with the path."""
+    if p.is_dir():
+        raise ConfigError(f"{p} is a directory: pass the path of a YAML or TOML config file")
+    if not p.exists():
+        raise ConfigError(f"config file not found: {p}; pass the path of a YAML or TOML file")
+    if not p.is_file():
+        raise ConfigError(f"{p} is not a regular file: pass the path of a YAML or TOML file")
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read {p}: {exc.strerror or exc}; check the path and its permissions"
+        ) from None
+    try:
+        return raw.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{p} is not UTF-8 text (byte {exc.start + 1} is not UTF-8): save it as UTF-8"
+        ) from None
+
+
+def _parse(p: Path, text: str) -> Any:
+    """The TOML (.toml) or YAML (any other suffix) document of `text`; a syntax error, nesting
+    deeper than `MAX_CONFIG_DEPTH` or a number past Python's digit limit is one ConfigError."""
+    toml = p.suffix.lower() == ".toml"
+    kind = p.suffix.lstrip(".") or "YAML"
+    if _nesting_bound(text) > MAX_CONFIG_DEPTH:
+        raise ConfigError(
+            f"{p}: nested over {MAX_CONFIG_DEPTH} levels deep, which no trainguard config is: "
+            "check that it is the right file"
+        )
+    try:
+        return tomllib.loads(text) if toml else yaml.safe_load(text)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{p}: not valid {kind}: {line}") from None
+    except RecursionError:
+        raise ConfigError(
+            f"{p}: nested too deeply to be a trainguard config: check that it is the right file"
+        ) from None
+    except ValueError as exc:  # the parsers' int() of a number past Python's digit limit
+        what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "digits" in what:
+            what = "a number has more digits than Python reads (4300)"
+        raise ConfigError(f"{p}: not valid {kind}: {what}") from None
+
+
+def _nesting_bound(text: str) -> int:
+    """How deep flow brackets (YAML's [ and {, TOML's arrays and inline tables) nest in `text`,
+    or less when closing ones come first; quotes and comments are not told apart. A cheap check
+    that spares the parsers a deep recursion."""
+    codes = np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8)
+    opens = (codes == ord("[")) | (codes == ord("{"))
+    closes = (codes == ord("]")) | (codes == ord("}"))
+    if not opens.any():
+        return 0
+    return int(np.cumsum(opens[opens | closes].astype(np.int64) * 2 - 1).max())
+
+
+def _printable(key: Any) -> str:
+    """A key as an error names it: as it is, or quoted with escapes when it holds a newline or
+    another unprintable character, so that the error stays on one line."""
+    text = str(key)
+    return text if text.isprintable() else repr(text)
+
+
+def _kind_of(value: Any) -> str:
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(
+        type(value), type(value).__name__
+    )

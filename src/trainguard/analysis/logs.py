@@ -3,6 +3,7 @@ event files) as columns, streamed so that a file of several GB fits in memory.""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -10,9 +11,10 @@ import math
 import re
 import warnings
 from array import array
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +25,10 @@ OPTIONAL = ("grad_norm", "lr", "loss_scale")
 MAX_WARNED_ROWS = 10
 USE_PANDAS = True  # parse clean blocks with pandas when it is installed
 BLOCK_BYTES = 1 << 24  # bytes parsed at once; a block with a bad row is parsed row by row
+MAX_STEP = 2.0**63  # a step must fit the int64 step column
+LONG_INT_DIGITS = 300  # longer JSON integers are read as floats: no later float() overflows
+BINARY_SHARE = 0.1  # a head with more undecodable characters than this is not a text log
+MAX_NAMES_SHOWN = 12  # column names an error lists
 TB_TAGS = {  # TensorBoard tags tried in order when none is named
     "loss": ("loss", "train/loss", "train_loss", "training/loss", "loss/train"),
     "grad_norm": ("grad_norm", "train/grad_norm", "gradient_norm", "train/gradient_norm"),
@@ -59,6 +65,8 @@ class _Columns:
         self.parts: dict[str, list[np.ndarray]] = {k: [] for k in ("step", "loss", *OPTIONAL)}
         self.bad: list[int] = []
         self.bad_count = 0
+        self.last_bad: int | None = None
+        self.unfinished: int | None = None  # the last line, when the file ends without a newline
 
     def add(self, block: dict[str, np.ndarray]) -> None:
         for key, values in block.items():
@@ -66,8 +74,19 @@ class _Columns:
 
     def skip(self, line: int) -> None:
         self.bad_count += 1
+        self.last_bad = line
         if len(self.bad) < MAX_WARNED_ROWS:
             self.bad.append(line)
+
+    def _truncated_note(self) -> str | None:
+        """A passed-over last line without a newline is a write cut short (a crash, a full
+        disk): it is told apart from the bad rows."""
+        if self.unfinished is None or self.last_bad != self.unfinished:
+            return None
+        self.bad_count -= 1
+        if self.unfinished in self.bad:
+            self.bad.remove(self.unfinished)
+        return f"skipped the truncated last line {self.unfinished}, as a run cut short leaves it"
 
     def _take(self, key: str) -> np.ndarray:
         """One column joined, its blocks released at once (peak memory stays near one copy)."""
@@ -81,6 +100,7 @@ class _Columns:
         loss = self._take("loss")
         extra = {k: self._take(k) for k in OPTIONAL if self.parts[k]}
         notes = []
+        truncated = self._truncated_note()
         if self.bad_count:
             shown = ", ".join(str(n) for n in self.bad)
             more = self.bad_count - len(self.bad)
@@ -88,6 +108,8 @@ class _Columns:
                 f"passed over {self.bad_count} row(s) without a numeric step and finite loss: "
                 f"{self.unit} {shown}" + (f" and {more} more" if more > 0 else "")
             )
+        if truncated:
+            notes.append(truncated)
         order = steps.astype(np.int64)
         del steps
         if len(order) > 1 and not np.all(order[1:] > order[:-1]):
@@ -107,41 +129,94 @@ def read_log(
     """Read a log; rows with a missing, non-numeric or non-finite loss or step are passed over
     with a warning naming them; unsorted and repeated steps are sorted (the last row wins)."""
     p = Path(path)
+    tb_tag = tag or (loss_column if loss_column != "loss" else None)
     if p.is_dir():
-        events = sorted(p.rglob("events.out.tfevents.*"))
-        if (p / "metrics.jsonl").is_file():
+        if (p / "metrics.jsonl").exists():
             p = p / "metrics.jsonl"
-        elif events:
-            return _tensorboard(p, tag or (loss_column if loss_column != "loss" else None))
+        elif any(p.rglob("events.out.tfevents.*")):
+            return _tensorboard(p, tb_tag)
         else:
             raise TrainguardError(
                 f"{p} is a directory without metrics.jsonl or TensorBoard event files; "
                 "give the path of a log"
             )
-    if not p.is_file():
+    if not p.exists():
         raise TrainguardError(f"{p}: no such file; give the path of a CSV, TSV or JSONL log")
-    if p.stat().st_size == 0:
-        raise TrainguardError(f"{p} is empty: there is nothing to analyse")
-    if p.name.startswith("events.out.tfevents"):
-        return _tensorboard(p, tag or (loss_column if loss_column != "loss" else None))
-    suffix = p.suffix.lower()
-    with p.open(encoding="utf-8", errors="replace") as f:
-        head = f.read(4096)
-    names = {"step": step_column, "loss": loss_column}
-    if suffix in (".jsonl", ".json") or head.lstrip().startswith("{"):
-        return _jsonl(p, names)
-    if suffix in (".csv", ".tsv", ".txt") or "," in head or "\t" in head:
-        first = head.splitlines()[0] if head else ""
-        return _delimited(p, "\t" if suffix == ".tsv" or "\t" in first else ",", names)
-    raise TrainguardError(
-        f"{p}: unknown format; trainguard reads CSV/TSV with a header, JSONL and TensorBoard "
-        "event files"
-    )
+    if not p.is_file():
+        raise TrainguardError(
+            f"{p} is not a regular file (a pipe, socket or device): give the path of a log file"
+        )
+    try:
+        if p.stat().st_size == 0:
+            raise TrainguardError(f"{p} is empty: there is nothing to analyse")
+        if p.name.startswith("events.out.tfevents"):
+            return _tensorboard(p, tb_tag)
+        with p.open("rb") as f:
+            raw = f.read(4096)
+        head = raw.decode("utf-8", errors="replace")
+        names = {"step": step_column, "loss": loss_column}
+        suffix = p.suffix.lower()
+        delimiter = None  # None: JSONL
+        if suffix in (".jsonl", ".json") or head.lstrip().startswith("{"):
+            pass
+        elif suffix in (".csv", ".tsv", ".txt") or "," in head or "\t" in head:
+            first = head.splitlines()[0] if head else ""
+            delimiter = "\t" if suffix == ".tsv" or "\t" in first else ","
+        else:
+            raise TrainguardError(
+                f"{p}: unknown format; trainguard reads CSV/TSV with a header, JSONL and "
+                "TensorBoard event files"
+            )
+        if _is_binary(raw, head):
+            raise TrainguardError(
+                f"{p} is not a text log (binary data, or text that is not UTF-8): give a CSV, "
+                "TSV or JSONL log saved as UTF-8, or TensorBoard event files"
+            )
+        return _jsonl(p, names) if delimiter is None else _delimited(p, delimiter, names)
+    except OSError as exc:
+        raise TrainguardError(
+            f"cannot read {p}: {exc.strerror or exc}; check the path and its permissions"
+        ) from None
+
+
+def _is_binary(raw: bytes, head: str) -> bool:
+    """A NUL byte, or many bytes that are not UTF-8, in the first block of a file."""
+    return b"\x00" in raw or head.count("\ufffd") > BINARY_SHARE * max(len(head), 1)
+
+
+def json_object(line: str | bytes, exact: bool = True) -> dict[str, Any] | None:
+    """The JSON object on one line of a JSONL file, or None when the line holds none (it is not
+    JSON, nests too deeply, or holds another JSON value).
+
+    Integers of over `LONG_INT_DIGITS` digits are read as floats (inf past 1e308), so that no
+    later float() of them overflows; `exact` tries the faster plain parser first, which leaves
+    integers of up to Python's 4300-digit limit as they are."""
+    try:
+        value = json.loads(line) if exact else _LONG_INTS_AS_FLOATS.decode(_text(line))
+    except (RecursionError, json.JSONDecodeError):
+        return None
+    except ValueError:  # an integer past Python's digit limit, or bytes that are not UTF-8
+        return json_object(line, exact=False) if exact else None
+    return value if isinstance(value, dict) else None
+
+
+def _text(line: str | bytes) -> str:
+    return line if isinstance(line, str) else line.decode("utf-8", errors="replace")
+
+
+def _int_or_float(digits: str) -> int | float:
+    return int(digits) if len(digits) <= LONG_INT_DIGITS else float(digits)
+
+
+_LONG_INTS_AS_FLOATS = json.JSONDecoder(parse_int=_int_or_float)
 
 
 def _missing(p: Path, name: str, found: set[str] | list[str]) -> TrainguardError:
+    shown = [n if len(n) <= 40 else n[:37] + "..." for n in sorted(found)[:MAX_NAMES_SHOWN]]
+    if len(found) > MAX_NAMES_SHOWN:
+        shown.append(f"and {len(found) - MAX_NAMES_SHOWN} more")
     return TrainguardError(
-        f"{p}: no '{name}' column (found: {', '.join(sorted(found)) or 'none'}); "
+        f"{p}: no '{name}' column (found: {', '.join(shown) or 'none'}); "
         "name the columns with --step-column and --column"
     )
 
@@ -150,9 +225,14 @@ def _number(text: object) -> float | None:
     if text is None or text == "":
         return None
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        return float(text)
+        try:
+            return float(text)
+        except OverflowError:  # an integer past 1e308
+            return math.inf if text > 0 else -math.inf
+    if not isinstance(text, str):  # a JSON list, object or boolean
+        return None
     try:
-        return float(str(text).strip())
+        return float(text.strip())
     except ValueError:
         return None
 
@@ -161,28 +241,39 @@ def _delimited(p: Path, delimiter: str, names: dict[str, str]) -> LogData:
     out = _Columns()
     with p.open("rb") as f:
         first = f.readline().decode("utf-8-sig", errors="replace")
-        header = next(csv.reader([first], delimiter=delimiter), [])
+        try:
+            with _field_limit(len(first)):
+                header = next(csv.reader([first.rstrip("\r\n")], delimiter=delimiter), [])
+        except csv.Error as exc:
+            raise TrainguardError(
+                f"{p}: the first line is not a header of column names ({exc}); "
+                "the first line must name the columns"
+            ) from None
         columns = [c.strip() for c in header]
         for key in ("step", "loss"):
             if names[key] not in columns:
                 raise _missing(p, names[key], columns)
         wanted = {**names, **{k: k for k in OPTIONAL if k in columns}}
         where = {key: columns.index(name) for key, name in wanted.items()}
-        line, rest = 2, b""
+        line, rest, tail = 2, b"", first[-1:]
         while True:
             chunk = f.read(BLOCK_BYTES)
+            tail = chunk[-1:].decode("latin-1") if chunk else tail
             data = rest + chunk
             cut = data.rfind(b"\n") + 1 if chunk else len(data)
             data, rest = data[:cut], data[cut:]
             if data.strip():
                 block = _fast_block(data, delimiter, where)
                 if block is None:
-                    text = data.decode("utf-8", errors="replace").splitlines()
-                    block = _slow_block(text, delimiter, where, line, out)
+                    text = data.decode("utf-8", errors="replace")
+                    with _field_limit(len(text)):
+                        block = _slow_block(text.splitlines(), delimiter, where, line, out)
                 out.add(block)
             line += data.count(b"\n")
             if not chunk:
                 break
+    if tail and tail != "\n":
+        out.unfinished = line
     return out.finish(p)
 
 
@@ -199,10 +290,10 @@ def _fast_block(data: bytes, delimiter: str, where: dict[str, int]) -> dict[str,
                 table = np.loadtxt(
                     io.BytesIO(data), delimiter=delimiter, usecols=cols, ndmin=2, dtype=np.float64
                 )
-    except (ValueError, UserWarning, UnicodeDecodeError):
+    except Exception:  # any trouble in a C reader: the row-by-row path judges each row
         return None
     block = {k: table[:, i] for i, k in enumerate(keys)}
-    if not (np.isfinite(block["step"]).all() and np.isfinite(block["loss"]).all()):
+    if not (np.isfinite(block["loss"]).all() and (np.abs(block["step"]) < MAX_STEP).all()):
         return None
     return block
 
@@ -228,6 +319,18 @@ def _parse_pandas(data: bytes, delimiter: str, cols: list[int]) -> np.ndarray | 
     return table
 
 
+@contextlib.contextmanager
+def _field_limit(size: int) -> Iterator[None]:
+    """csv's field size limit raised to at least `size` for a while: a field of a log may be as
+    long as the text it is read from (a 50 MB note column is no reason to pass a row over)."""
+    old = csv.field_size_limit()
+    csv.field_size_limit(max(old, size))
+    try:
+        yield
+    finally:
+        csv.field_size_limit(old)
+
+
 def _slow_block(
     lines: list[str],
     delimiter: str,
@@ -236,7 +339,16 @@ def _slow_block(
     out: _Columns,
 ) -> dict[str, np.ndarray]:
     cols: dict[str, array[float]] = {k: array("d") for k in where}
-    for number, row in enumerate(csv.reader(lines, delimiter=delimiter), first_line):
+    reader = csv.reader(lines, delimiter=delimiter)
+    while True:
+        number = first_line + reader.line_num  # where the next row starts
+        try:
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error:  # a stray carriage return, or whatever else csv refuses
+            out.skip(number)
+            continue
         if not row or not any(cell.strip() for cell in row):
             continue
         cells = {k: (row[i] if i < len(row) else None) for k, i in where.items()}
@@ -249,7 +361,7 @@ def _slow_block(
 
 def _keep(cells: Mapping[str, object], cols: dict[str, array[float]]) -> bool:
     step, loss = _number(cells.get("step")), _number(cells.get("loss"))
-    if step is None or loss is None or not math.isfinite(step) or not math.isfinite(loss):
+    if step is None or loss is None or not abs(step) < MAX_STEP or not math.isfinite(loss):
         return False
     cols["step"].append(step)
     cols["loss"].append(loss)
@@ -264,16 +376,13 @@ def _jsonl(p: Path, names: dict[str, str]) -> LogData:
     out = _Columns()
     cols: dict[str, array[float]] = {k: array("d") for k in ("step", "loss", *OPTIONAL)}
     seen: set[str] = set()
+    number, line = 0, ""
     with p.open(encoding="utf-8", errors="replace") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                out.skip(number)
-                continue
-            if not isinstance(record, dict):
+            record = json_object(line)
+            if record is None:
                 out.skip(number)
                 continue
             if len(seen) < 64:
@@ -281,6 +390,8 @@ def _jsonl(p: Path, names: dict[str, str]) -> LogData:
             cells = {key: record.get(names.get(key, key)) for key in cols}
             if not _keep(cells, cols):
                 out.skip(number)
+    if line and not line.endswith("\n"):
+        out.unfinished = number
     for key in ("step", "loss"):
         if names[key] not in seen:
             raise _missing(p, names[key], seen)
@@ -314,7 +425,10 @@ def _tensorboard(p: Path, tag: str | None) -> LogData:
             for ev in acc.Scalars(name):
                 values[int(ev.step)] = float(ev.value)
     if not series:
-        raise TrainguardError(f"{p}: the TensorBoard files hold no scalars")
+        raise TrainguardError(
+            f"{p}: the TensorBoard files hold no scalars (or are not TensorBoard files): "
+            "give the event files of a run that logged its loss"
+        )
     chosen = _tb_tag(p, series, "loss", tag, required=True)
     assert chosen is not None
     steps = sorted(series[chosen])

@@ -3,7 +3,6 @@ loss log (judged by `analyze` on the way)."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -12,10 +11,14 @@ from typing import Any
 
 import numpy as np
 
+from trainguard.analysis.logs import json_object
 from trainguard.config import GuardConfig
 from trainguard.events import TrainguardError
 
 COLUMNS = ("loss", "grad_norm", "lr", "loss_scale")
+MAX_STEP = 2**63  # a step must fit the int64 step column
+MAX_DEPTH = 32  # an event or config nested deeper is not one the guard wrote
+SEVERITIES = ("info", "warning", "critical")
 
 
 @dataclass
@@ -43,7 +46,13 @@ def load_run(path: str | Path, config: GuardConfig | None = None) -> RunRecord:
     `read_log` reads, which is then judged by the detectors."""
     p = Path(path)
     if p.is_dir() and (p / "metrics.jsonl").is_file():
-        return _run_dir(p)
+        try:
+            return _run_dir(p)
+        except OSError as exc:
+            raise TrainguardError(
+                f"cannot read {exc.filename or p}: {exc.strerror or exc}; check the run "
+                "directory and its permissions"
+            ) from None
     from trainguard.analysis.analyzer import analyze
     from trainguard.analysis.logs import read_log
 
@@ -66,31 +75,77 @@ def _number(value: Any) -> float:
     if isinstance(value, bool) or value is None:
         return math.nan
     if isinstance(value, (int, float)):
-        return float(value)
-    if value in ("nan", "inf", "-inf"):
+        try:
+            return float(value)
+        except OverflowError:  # an integer past 1e308
+            return math.inf if value > 0 else -math.inf
+    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
         return float(value)
     return math.nan
 
 
-def _run_dir(p: Path) -> RunRecord:
+def is_step(value: Any) -> bool:
+    """An integer step that fits the int64 step column (JSON's true and false are no steps)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -MAX_STEP <= value < MAX_STEP
+
+
+def _depth(value: Any, limit: int = MAX_DEPTH) -> int:
+    """How deep lists and objects nest in `value`, counted up to just past `limit`."""
+    if limit < 0 or not isinstance(value, (dict, list)):
+        return 0
+    items = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(v, limit - 1) for v in items), default=0)
+
+
+def _is_event(record: dict[str, Any]) -> bool:
+    """Whether a line of events.jsonl reads as an event: a string kind, an integer step, a
+    known severity, and metrics (when given) that are an object."""
+    return (
+        isinstance(record.get("kind"), str)
+        and is_step(record.get("step"))
+        and record.get("severity", "info") in SEVERITIES
+        and isinstance(record.get("metrics", {}), dict)
+        and _depth(record) <= MAX_DEPTH
+    )
+
+
+def _read_lines(path: Path, warnings: list[str], exact: bool = True) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file, in order; unreadable lines are passed over with one
+    warning, and a truncated last line, as a run cut short leaves it, with another."""
     records: list[dict[str, Any]] = []
     bad = 0
-    with (p / "metrics.jsonl").open(encoding="utf-8", errors="replace") as f:
-        for line in f:
+    number, line, last_bad = 0, "", -1
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                bad += 1  # a line cut short by a kill is expected at the end
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                records.append(record)
+            record = json_object(line, exact=exact)
+            if record is None:
+                bad, last_bad = bad + 1, number
             else:
-                bad += 1
+                records.append(record)
+    if last_bad == number and not line.endswith("\n"):
+        bad -= 1
+        warnings.append(f"skipped the truncated last line {number} of {path.name}")
+    if bad:
+        warnings.append(f"passed over {bad} unreadable line(s) of {path.name}")
+    return records
+
+
+def _run_dir(p: Path) -> RunRecord:
+    warnings: list[str] = []
+    lines = _read_lines(p / "metrics.jsonl", warnings)
+    records = [r for r in lines if is_step(r.get("step"))]
+    if len(records) < len(lines):
+        warnings.append(
+            f"passed over {len(lines) - len(records)} line(s) of metrics.jsonl without an "
+            "integer step"
+        )
     if not records:
-        raise TrainguardError(f"{p / 'metrics.jsonl'} has no step records: nothing to report")
-    warnings = [f"passed over {bad} unreadable line(s) of metrics.jsonl"] if bad else []
+        raise TrainguardError(
+            f"{p / 'metrics.jsonl'} has no step records: nothing to report; give the run_dir "
+            "of a Guard, or a loss log"
+        )
     last: dict[int, int] = {}
     for i, r in enumerate(records):
         last[r["step"]] = i  # a step replayed after a rollback or resume: the last one counts
@@ -100,7 +155,7 @@ def _run_dir(p: Path) -> RunRecord:
     columns = {
         name: np.array([_number(records[i].get(name)) for i in kept])
         for name in COLUMNS
-        if any(name in records[i] for i in kept)
+        if name == "loss" or any(name in records[i] for i in kept)  # a loss column, even empty
     }
     abandoned = {
         "step": np.array([records[i]["step"] for i in dropped], dtype=np.int64),
@@ -120,20 +175,21 @@ def _run_dir(p: Path) -> RunRecord:
             norms[row, c] = _number(records[i]["group_grad_norms"].get(name))
     events: list[dict[str, Any]] = []
     if (p / "events.jsonl").is_file():
-        with (p / "events.jsonl").open(encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    event = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(event, dict) and "kind" in event:
-                    events.append(event)
+        lines = _read_lines(p / "events.jsonl", warnings, exact=False)
+        events = [e for e in lines if _is_event(e)]
+        if len(events) < len(lines):
+            warnings.append(
+                f"passed over {len(lines) - len(events)} line(s) of events.jsonl that are not "
+                "events (a string kind, an integer step, a known severity)"
+            )
     config: dict[str, Any] = {}
     if (p / "config.json").is_file():
-        try:
-            config = json.loads((p / "config.json").read_text())
-        except json.JSONDecodeError:
-            warnings.append("config.json is not valid JSON: the config is not shown")
+        text = (p / "config.json").read_text(encoding="utf-8", errors="replace")
+        read = json_object(text, exact=False)
+        if read is None or _depth(read) > MAX_DEPTH:
+            warnings.append("config.json is not a JSON object: the config is not shown")
+        else:
+            config = read
     return RunRecord(
         source=p,
         steps=steps,

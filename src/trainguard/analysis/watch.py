@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections import deque
 from pathlib import Path
@@ -12,6 +11,10 @@ from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
+
+from trainguard.analysis.logs import json_object
+from trainguard.analysis.run import is_step
+from trainguard.events import TrainguardError
 
 SPARK = "▁▂▃▄▅▆▇█"
 HISTORY = 60
@@ -27,33 +30,37 @@ class _Tail:
         self.partial = b""
 
     def lines(self) -> list[dict[str, Any]]:
+        """The JSON objects on the new complete lines; other lines are passed over, and a last
+        line without its newline waits for it (forever, when the run was cut short)."""
         if not self.path.is_file():
             return []
-        with self.path.open("rb") as f:
-            f.seek(self.offset)
-            chunk = f.read()
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError as exc:
+            raise TrainguardError(
+                f"cannot read {self.path}: {exc.strerror or exc}; check its permissions"
+            ) from None
         self.offset += len(chunk)
         data = self.partial + chunk
         *complete, self.partial = data.split(b"\n")
-        out = []
-        for raw in complete:
-            try:
-                record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                continue
-            if isinstance(record, dict):
-                out.append(record)
-        return out
+        return [r for r in map(_object, complete) if r is not None]
+
+
+def _object(raw: bytes) -> dict[str, Any] | None:
+    return json_object(raw, exact=False) if raw.strip() else None
 
 
 def sparkline(values: list[float]) -> str:
+    """One bar per value, scaled from the lowest to the highest finite one; "!" for the others."""
     finite = [v for v in values if math.isfinite(v)]
     if not finite:
         return ""
-    lo, hi = min(finite), max(finite)
+    lo, hi = min(finite) / 2, max(finite) / 2  # halved: no difference of two floats overflows
     span = hi - lo or 1.0
     return "".join(
-        SPARK[min(int((v - lo) / span * (len(SPARK) - 1)), len(SPARK) - 1)]
+        SPARK[min(int((v / 2 - lo) / span * (len(SPARK) - 1)), len(SPARK) - 1)]
         if math.isfinite(v)
         else "!"
         for v in values
@@ -61,9 +68,18 @@ def sparkline(values: list[float]) -> str:
 
 
 def _number(value: Any) -> float:
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}.get(str(value), math.nan)
+    if isinstance(value, str):
+        return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}.get(value, math.nan)
+    return math.nan
+
+
+def _shown(value: Any) -> str:
+    """A field of an event as the dashboard prints it; a list or object is named, not shown."""
+    if value is None or isinstance(value, (str, int, float)):
+        return str(value)
+    return f"<{type(value).__name__}>"
 
 
 class RunWatcher:
@@ -81,15 +97,22 @@ class RunWatcher:
         self.halted = False
 
     def poll(self) -> None:
+        """Read what the run appended since the last poll; lines without an integer step are
+        not metrics or events of a guard and are passed over."""
         for record in self._metrics.lines():
-            self.step = int(record.get("step", self.step or 0))
+            if not is_step(record.get("step")):
+                continue
+            self.step = record["step"]
             self.loss.append(_number(record.get("loss")))
             self.grad.append(_number(record.get("grad_norm")))
         for event in self._events.lines():
-            if event.get("severity") in ("warning", "critical"):
+            if not is_step(event.get("step")):
+                continue
+            severity = event.get("severity")
+            if severity == "warning" or severity == "critical":
                 self.events.append(event)
-                if event["severity"] == "critical" or self.health != "critical":
-                    self.health = event["severity"]
+                if severity == "critical" or self.health != "critical":
+                    self.health = severity
             if event.get("kind") == "halt":
                 self.halted = True
 
@@ -113,9 +136,12 @@ class RunWatcher:
         for name in ("step", "kind", "what"):
             incidents.add_column(name, overflow="fold")
         for e in reversed(self.events):
-            style = _COLOURS.get(e.get("severity", "info"), "white")
+            style = _COLOURS.get(_shown(e.get("severity")), "white")
             incidents.add_row(
-                str(e.get("step")), Text(str(e.get("kind")), style=style), e.get("message", "")
+                str(e.get("step")),
+                Text(_shown(e.get("kind")), style=style),
+                Text(_shown(e.get("message", ""))),
             )
         body = Group(head, lines, incidents if self.events else Text("no incidents", style="dim"))
-        return Panel(body, title=f"trainguard watch {self.run_dir}", border_style=colour)
+        title = Text(f"trainguard watch {self.run_dir}")
+        return Panel(body, title=title, border_style=colour)

@@ -3,6 +3,7 @@ the incidents on them, a heat map of layer-group grad norms, incident cards, lin
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import math
@@ -94,8 +95,13 @@ def write_report(record: RunRecord, out: str | Path, title: str | None = None) -
         + f'<script type="text/javascript">{data}\n{scripts}</script></body></html>\n'
     )
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(path)
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        tmp.replace(path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # no half-written page is left behind
+        raise
     return path
 
 
@@ -343,9 +349,9 @@ def _cards(record: RunRecord, incidents: list[dict[str, Any]]) -> str:
     for r in record.events:
         if r.get("kind") in ATTACHED:
             m = r.get("metrics") or {}
-            for key in {r.get("step"), m.get("spike_step"), m.get("incident_step")}:
-                if isinstance(key, int):
-                    by_step.setdefault(key, []).append(r)
+            steps = (r.get("step"), m.get("spike_step"), m.get("incident_step"))
+            for key in {s for s in steps if isinstance(s, int)}:
+                by_step.setdefault(key, []).append(r)
     shown = incidents[:MAX_CARDS]
     cards = [_card(record, e, by_step.get(int(e["step"]), [])) for e in shown]
     more = (
@@ -409,13 +415,15 @@ def _diagnosis(e: dict[str, Any], related: list[dict[str, Any]]) -> str:
         m = r.get("metrics") or {}
         if r["kind"] == "nan_origin":
             parts.append(esc(str(r.get("message", ""))))
-            frames = m.get("frames") or []
-            if frames:
+            frames = m.get("frames")
+            if frames and isinstance(frames, list):
                 parts.append("<pre>" + esc("\n".join(str(f) for f in frames[-6:])) + "</pre>")
         elif r["kind"] == "spike_samples":
-            samples = m.get("samples") or []
+            samples = m.get("samples")
             items = []
-            for s in samples[:8]:
+            for s in samples[:8] if isinstance(samples, list) else []:
+                if not isinstance(s, dict):
+                    continue
                 preview = s.get("preview") or s.get("text") or ""
                 items.append(
                     f"<li>{esc(str(s.get('id')))}: loss {esc(str(s.get('loss')))}"
