@@ -393,7 +393,19 @@ def main() -> None:
     traceback: trainguard's errors as they say, a path that failed with the OS's reason, and
     anything else as an internal error to report."""
     try:
-        app()
+        code = app(standalone_mode=False)
+    except typer.TyperException as exc:  # a wrong command, option or argument, in one line
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `trainguard` alone: the help
+            exc.show()  # type: ignore[attr-defined]
+            raise SystemExit(2) from None
+        context = getattr(exc, "ctx", None)
+        command = context.command_path if context is not None else "trainguard"
+        _fail(f"{exc.format_message().rstrip('.')}; see '{command} --help'")
+    except typer.Exit as exc:
+        raise SystemExit(exc.exit_code) from None
+    except typer.Abort:
+        err.print("interrupted")
+        raise SystemExit(130) from None
     except TrainguardError as exc:
         _fail(str(exc))
     except KeyboardInterrupt:
@@ -407,6 +419,8 @@ def main() -> None:
             f"internal error ({type(exc).__name__}: {exc}); please report it with the command "
             "you ran"
         )
+    if isinstance(code, int) and code:
+        raise SystemExit(code)
 
 
 def _fail(message: str) -> NoReturn:

@@ -409,7 +409,7 @@ class LossSpikeDetector(Detector):
             self._count_z(abs(z))
 
     def _count_z(self, z: float) -> None:
-        self.z_hist[min(int(z / Z_BIN), Z_BINS - 1)] += 1.0
+        self.z_hist[int(min(z / Z_BIN, Z_BINS - 1))] += 1.0  # z / Z_BIN may overflow to inf
         self.z_total += 1.0
         if self.z_total >= 20 * self.config.noise_horizon:  # forget slowly: halve old counts
             self.z_hist = [c / 2 for c in self.z_hist]
@@ -531,7 +531,8 @@ class LossSpikeDetector(Detector):
 def _low_bin(values: np.ndarray) -> np.ndarray:
     """The bins of signed values in the histogram of `low_hist` (Z_BIN wide, -25 to 25), for
     one step or many: the per-step and bulk paths bin alike."""
-    bins: np.ndarray = np.clip(np.floor(values / Z_BIN) + Z_BINS, 0, LOW_BINS - 1)
+    with np.errstate(over="ignore"):  # a value near the float limit bins at the end
+        bins: np.ndarray = np.clip(np.floor(values / Z_BIN) + Z_BINS, 0, LOW_BINS - 1)
     return bins.astype(np.int64)
 
 
