@@ -36,6 +36,7 @@ from trainguard.distributed import (
     local_grad_norm_hook,
 )
 from trainguard.events import Decision, Event, TrainguardError, TrainingHalted, _json_number
+from trainguard.line_file import write_small_file
 from trainguard.moe.routing import RoutingStats
 from trainguard.policy import StepPolicy
 from trainguard.signals import GradientStats, StepSignals
@@ -104,7 +105,7 @@ class Guard:
             "quarantine.jsonl" if self.ranks is None else f"quarantine-rank{self.ranks.rank}.jsonl"
         )
         self.quarantine = Quarantine(
-            self.run_dir / quarantine_name if self.run_dir is not None else None
+            self.run_dir / quarantine_name if self.run_dir is not None else None, _report
         )
         self._batches: GuardedBatches | None = None
         self._resume_data: dict[str, Any] | None = None
@@ -125,10 +126,10 @@ class Guard:
         self.sinks: list[Sink] = []
         if self.run_dir is not None and leader:  # one writer in a distributed run: rank 0
             self.sinks += [
-                EventLog(self.run_dir / "events.jsonl"),
-                MetricsLog(self.run_dir / "metrics.jsonl"),
+                EventLog(self.run_dir / "events.jsonl", _report),
+                MetricsLog(self.run_dir / "metrics.jsonl", _report),
             ]
-            (self.run_dir / "config.json").write_text(self.config.to_json() + "\n")
+            write_small_file(self.run_dir / "config.json", self.config.to_json() + "\n", _report)
         if self.config.console and leader:
             self.sinks.append(
                 ConsoleSink(
@@ -871,6 +872,7 @@ class Guard:
                 self._warn(error)
         for sink in self.sinks:
             sink.close()
+        self.quarantine.close()
 
     def __enter__(self) -> Guard:
         return self

@@ -38,7 +38,7 @@ def sinks_from_config(config: AlertsConfig, report: Callable[[str], None]) -> li
     if config.tensorboard_dir is not None:
         from trainguard.sinks.tensorboard import TensorBoardSink
 
-        sinks.append(TensorBoardSink(config.tensorboard_dir))
+        sinks.append(TensorBoardSink(config.tensorboard_dir, report))
     if config.wandb_project is not None:
         from trainguard.sinks.wandb_sink import WandbSink
 
