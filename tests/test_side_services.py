@@ -1,5 +1,6 @@
 """Side services never stop a run: logs on a full disk (a real 8 MiB tmpfs when the tests run as
-root, a file wrapper that runs out of space otherwise)."""
+root, a file wrapper that runs out of space otherwise), and a busy Prometheus port (a real
+socket holds it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import io
 import json
 import math
 import os
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +25,10 @@ from trainguard import line_file
 from trainguard.actions.quarantine import Quarantine
 from trainguard.events import Event
 from trainguard.sinks import EventLog, MetricsLog
+from trainguard.sinks.prometheus import PrometheusSink
 from trainguard.sinks.tensorboard import TensorBoardSink
+
+from helpers import read_jsonl
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -351,3 +356,65 @@ def test_a_failing_tensorboard_writer_is_reported_once_and_replaced_later(tmp_pa
     assert sink.writer.scalars == [("train/loss", 1.0, 9)]
     assert said[1].endswith("works again (6 record(s) dropped so far)")
     sink.close()
+
+
+# -- Prometheus ------------------------------------------------------------------------------------
+def observe(guard: tg.Guard, steps: int) -> None:
+    for step in range(steps):
+        guard.observe(step, loss=2.0 - step / 100)
+
+
+def test_a_busy_prometheus_port_is_a_warning_and_the_run_goes_on(tmp_path, capsys):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        config = tg.GuardConfig.from_dict({"console": False, "alerts": {"prometheus_port": port}})
+        guard = tg.Guard(config=config, run_dir=tmp_path)
+        observe(guard, 30)
+        guard.close()
+    finally:
+        holder.close()
+    assert not [s for s in guard.sinks if isinstance(s, PrometheusSink)]
+    err = capsys.readouterr().err
+    assert err.count("cannot serve Prometheus") == 1
+    assert (
+        f"cannot serve Prometheus /metrics on 127.0.0.1:{port} (address already in use); the "
+        "run goes on without it: set alerts.prometheus_port to another port, or 0 for a free one"
+    ) in err
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 30
+
+
+def test_prometheus_listens_on_localhost_unless_told(capsys):
+    import httpx
+
+    local = tg.Guard(config=tg.GuardConfig(console=False, alerts={"prometheus_port": 0}))
+    (sink,) = [s for s in local.sinks if isinstance(s, PrometheusSink)]
+    assert sink.server.server_address[0] == "127.0.0.1"
+    observe(local, 3)
+    text = httpx.get(f"http://127.0.0.1:{sink.port}/metrics", timeout=5).text
+    assert "trainguard_step 2.0" in text
+    local.close()
+    assert f"serving Prometheus /metrics at http://127.0.0.1:{sink.port}/metrics" in (
+        capsys.readouterr().err
+    )
+    config = tg.GuardConfig(
+        console=False, alerts={"prometheus_port": 0, "prometheus_addr": "0.0.0.0"}
+    )
+    everywhere = tg.Guard(config=config)
+    (sink,) = [s for s in everywhere.sinks if isinstance(s, PrometheusSink)]
+    everywhere.close()
+    assert sink.server.server_address[0] == "0.0.0.0"
+
+
+def test_an_address_not_on_this_host_names_the_addr_setting(capsys):
+    config = tg.GuardConfig(
+        console=False, alerts={"prometheus_port": 0, "prometheus_addr": "192.0.2.7"}
+    )
+    guard = tg.Guard(config=config)
+    guard.close()
+    assert not [s for s in guard.sinks if isinstance(s, PrometheusSink)]
+    err = capsys.readouterr().err
+    assert "cannot serve Prometheus /metrics on 192.0.2.7:0 (" in err
+    assert "set alerts.prometheus_addr to an address of this host" in err
