@@ -1,6 +1,6 @@
 """Side services never stop a run: logs on a full disk (a real 8 MiB tmpfs when the tests run as
-root, a file wrapper that runs out of space otherwise), and a busy Prometheus port (a real
-socket holds it)."""
+root, a file wrapper that runs out of space otherwise), a busy Prometheus port (a real socket
+holds it), and the run-folder lock (a second writer, a SIGKILLed holder, NFS without locks)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import io
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 
 import trainguard as tg
-from trainguard import line_file
+from trainguard import line_file, run_lock
 from trainguard.actions.quarantine import Quarantine
 from trainguard.events import Event
 from trainguard.sinks import EventLog, MetricsLog
@@ -418,3 +420,102 @@ def test_an_address_not_on_this_host_names_the_addr_setting(capsys):
     err = capsys.readouterr().err
     assert "cannot serve Prometheus /metrics on 192.0.2.7:0 (" in err
     assert "set alerts.prometheus_addr to an address of this host" in err
+
+
+# -- the run-folder lock ---------------------------------------------------------------------------
+def quiet_guard(run_dir: Path) -> tg.Guard:
+    return tg.Guard(config=tg.GuardConfig(console=False), run_dir=run_dir)
+
+
+def test_a_second_guard_on_a_run_dir_gets_a_clear_error_until_the_first_closes(tmp_path):
+    first = quiet_guard(tmp_path)
+    holder = json.loads((tmp_path / ".lock").read_text())
+    assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+    with pytest.raises(tg.TrainguardError, match="in use by another Guard in this process") as e:
+        quiet_guard(tmp_path)
+    assert "close that one first" in str(e.value) and str(tmp_path) in str(e.value)
+    observe(first, 5)  # the first one is untouched
+    first.close()
+    assert (tmp_path / ".lock").read_text() == ""
+    second = quiet_guard(tmp_path)
+    second.close()
+    model = nn.Linear(2, 1)
+    resumed = tg.Guard.resume(
+        tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1), config=second.config
+    )
+    resumed.close()
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 5
+
+
+def test_a_guard_nobody_refers_to_gives_up_its_lock(tmp_path):
+    lost = quiet_guard(tmp_path)
+    lost.cycle = lost  # freed only by the garbage collector
+    del lost
+    quiet_guard(tmp_path).close()
+
+
+def test_a_sink_that_cannot_start_leaves_the_run_dir_free(tmp_path):
+    bad = tg.GuardConfig(console=False, alerts={"email": {"host": "smtp.example.com"}})
+    with pytest.raises(tg.TrainguardError, match=r"alerts\.email\.to"):
+        tg.Guard(config=bad, run_dir=tmp_path)
+    quiet_guard(tmp_path).close()
+
+
+HOLDER = """
+import os, sys, time
+import trainguard as tg
+guard = tg.Guard(config=tg.GuardConfig(console=False), run_dir=sys.argv[1])
+if sys.argv[2] == "fork":  # a child that outlives its parent must not keep the lock
+    child = os.fork()
+    if child == 0:
+        time.sleep(120)
+        os._exit(0)
+    print(child, flush=True)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("how", ["alone", "fork"])
+def test_the_lock_of_a_sigkilled_run_is_taken_over(tmp_path, how):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path), how], stdout=subprocess.PIPE, text=True
+    )
+    child = None
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        if how == "fork":
+            child = int(line)
+            line = proc.stdout.readline().strip()
+        assert line == "ready"
+        with pytest.raises(tg.TrainguardError) as e:
+            quiet_guard(tmp_path)
+        assert f"{tmp_path} is in use by another trainguard run (pid {proc.pid} on host " in str(
+            e.value
+        )
+        assert str(e.value).endswith("give each run its own run_dir, or stop the other one")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        guard = quiet_guard(tmp_path)  # the kernel dropped the lock with its process
+        assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+        guard.close()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_file_system_without_locks_is_a_warning(tmp_path, monkeypatch, capsys):
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
+    guard = quiet_guard(tmp_path)
+    observe(guard, 3)
+    guard.close()
+    assert guard.run_lock is None
+    err = capsys.readouterr().err
+    assert err.count("cannot lock") == 1
+    assert "the run goes on without a lock: make sure no other run writes to" in err

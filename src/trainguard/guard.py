@@ -39,6 +39,7 @@ from trainguard.events import Decision, Event, TrainguardError, TrainingHalted, 
 from trainguard.line_file import write_small_file
 from trainguard.moe.routing import RoutingStats
 from trainguard.policy import StepPolicy
+from trainguard.run_lock import RunLock
 from trainguard.signals import GradientStats, StepSignals
 from trainguard.signals.gradients import Measurement
 from trainguard.sinks import ConsoleSink, EventLog, MetricsLog, Sink
@@ -124,22 +125,30 @@ class Guard:
                 self.ranks,
             )
         self.sinks: list[Sink] = []
-        if self.run_dir is not None and leader:  # one writer in a distributed run: rank 0
-            self.sinks += [
-                EventLog(self.run_dir / "events.jsonl", _report),
-                MetricsLog(self.run_dir / "metrics.jsonl", _report),
-            ]
-            write_small_file(self.run_dir / "config.json", self.config.to_json() + "\n", _report)
-        if self.config.console and leader:
-            self.sinks.append(
-                ConsoleSink(
-                    status=self.config.console_status,
-                    total_steps=self.config.diagnosis.total_steps,
+        self.run_lock: RunLock | None = None
+        try:
+            if self.run_dir is not None and leader:  # one writer in a distributed run: rank 0
+                self.run_lock = RunLock.take(self.run_dir, _report)
+                self.sinks += [
+                    EventLog(self.run_dir / "events.jsonl", _report),
+                    MetricsLog(self.run_dir / "metrics.jsonl", _report),
+                ]
+                write_small_file(
+                    self.run_dir / "config.json", self.config.to_json() + "\n", _report
                 )
-            )
-        if leader:
-            self.sinks.extend(sinks_from_config(self.config.alerts, _report))
-            self.sinks.extend(sinks)
+            if self.config.console and leader:
+                self.sinks.append(
+                    ConsoleSink(
+                        status=self.config.console_status,
+                        total_steps=self.config.diagnosis.total_steps,
+                    )
+                )
+            if leader:
+                self.sinks.extend(sinks_from_config(self.config.alerts, _report))
+                self.sinks.extend(sinks)
+        except BaseException:  # a sink that cannot start: free what was taken, for a retry
+            self._release_outputs()
+            raise
         self.global_step = 0
         self.event_counts: dict[str, int] = {}
         self.action_counts: dict[str, int] = {"step": 0, "skip": 0, "rollback": 0, "halt": 0}
@@ -862,7 +871,8 @@ class Guard:
         self.action_counts.update(state.get("action_counts", {}))
 
     def close(self) -> None:
-        """Flush and close every sink; the guard stays usable for `state_dict`."""
+        """Flush and close every sink and release the run folder; the guard stays usable for
+        `state_dict`."""
         if self._closed:
             return
         self._closed = True
@@ -870,9 +880,18 @@ class Guard:
             self.checkpoints.wait()
             for error in self._checkpoint_errors():
                 self._warn(error)
-        for sink in self.sinks:
-            sink.close()
-        self.quarantine.close()
+        self._release_outputs()
+
+    def _release_outputs(self) -> None:
+        """Close the sinks and the quarantine file, then unlock the run folder (last, so that
+        no other writer starts while these still write)."""
+        try:
+            for sink in self.sinks:
+                sink.close()
+            self.quarantine.close()
+        finally:
+            if self.run_lock is not None:
+                self.run_lock.release()
 
     def __enter__(self) -> Guard:
         return self
