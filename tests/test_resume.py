@@ -109,6 +109,7 @@ def test_a_corrupt_or_tampered_checkpoint_is_passed_over(tmp_path):
     events = read_jsonl(tmp_path / "events.jsonl")
     assert any("fails its checksum" in e["message"] for e in events if e["kind"] == "checkpoint")
     assert guard.global_step == 20
+    guard.close()  # one live Guard per run folder
 
     # a .metadata that would run code when unpickled, with a manifest that vouches for it
     evil = directory / "step-20"

@@ -264,7 +264,17 @@ class AlertsConfig(_Section):
     webhook: WebhookConfig = Field(default_factory=WebhookConfig)
     email: EmailConfig = Field(default_factory=EmailConfig)
     prometheus_port: int | None = Field(
-        None, ge=0, le=65535, description="Serve /metrics on this port; None is off."
+        None,
+        ge=0,
+        le=65535,
+        description="Serve /metrics on this port (0 picks a free one); None is off.",
+    )
+    prometheus_addr: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Address /metrics listens on. The default serves this host only (a local "
+        "Prometheus or an SSH tunnel), so figures are not open to the network unasked; "
+        '"0.0.0.0" (or "::") serves a scraper on another host.',
     )
     tensorboard_dir: str | None = Field(None, description="Write TensorBoard events here.")
     wandb_project: str | None = Field(

@@ -38,8 +38,10 @@ from trainguard.distributed import (
     local_grad_norm_hook,
 )
 from trainguard.events import Decision, Event, TrainguardError, TrainingHalted, _json_number
+from trainguard.line_file import write_small_file
 from trainguard.moe.routing import RoutingStats
 from trainguard.policy import StepPolicy
+from trainguard.run_lock import RunLock
 from trainguard.signals import GradientStats, StepSignals
 from trainguard.signals.gradients import Measurement
 from trainguard.sinks import ConsoleSink, EventLog, MetricsLog, Sink
@@ -106,7 +108,7 @@ class Guard:
             "quarantine.jsonl" if self.ranks is None else f"quarantine-rank{self.ranks.rank}.jsonl"
         )
         self.quarantine = Quarantine(
-            self.run_dir / quarantine_name if self.run_dir is not None else None
+            self.run_dir / quarantine_name if self.run_dir is not None else None, _report
         )
         self._batches: GuardedBatches | None = None
         self._resume_data: dict[str, Any] | None = None
@@ -125,22 +127,30 @@ class Guard:
                 self.ranks,
             )
         self.sinks: list[Sink] = []
-        if self.run_dir is not None and leader:  # one writer in a distributed run: rank 0
-            self.sinks += [
-                EventLog(self.run_dir / "events.jsonl"),
-                MetricsLog(self.run_dir / "metrics.jsonl"),
-            ]
-            (self.run_dir / "config.json").write_text(self.config.to_json() + "\n")
-        if self.config.console and leader:
-            self.sinks.append(
-                ConsoleSink(
-                    status=self.config.console_status,
-                    total_steps=self.config.diagnosis.total_steps,
+        self.run_lock: RunLock | None = None
+        try:
+            if self.run_dir is not None and leader:  # one writer in a distributed run: rank 0
+                self.run_lock = RunLock.take(self.run_dir, _report)
+                self.sinks += [
+                    EventLog(self.run_dir / "events.jsonl", _report),
+                    MetricsLog(self.run_dir / "metrics.jsonl", _report),
+                ]
+                write_small_file(
+                    self.run_dir / "config.json", self.config.to_json() + "\n", _report
                 )
-            )
-        if leader:
-            self.sinks.extend(sinks_from_config(self.config.alerts, _report))
-            self.sinks.extend(sinks)
+            if self.config.console and leader:
+                self.sinks.append(
+                    ConsoleSink(
+                        status=self.config.console_status,
+                        total_steps=self.config.diagnosis.total_steps,
+                    )
+                )
+            if leader:
+                self.sinks.extend(sinks_from_config(self.config.alerts, _report))
+                self.sinks.extend(sinks)
+        except BaseException:  # a sink that cannot start: free what was taken, for a retry
+            self._release_outputs()
+            raise
         self.global_step = 0
         self.event_counts: dict[str, int] = {}
         self.action_counts: dict[str, int] = {"step": 0, "skip": 0, "rollback": 0, "halt": 0}
@@ -902,7 +912,8 @@ class Guard:
         self.action_counts.update(state.get("action_counts", {}))
 
     def close(self) -> None:
-        """Flush and close every sink; the guard stays usable for `state_dict`."""
+        """Flush and close every sink and release the run folder; the guard stays usable for
+        `state_dict`."""
         if self._closed:
             return
         self._closed = True
@@ -910,8 +921,18 @@ class Guard:
             self.checkpoints.wait()
             for error in self._checkpoint_errors():
                 self._warn(error)
-        for sink in self.sinks:
-            sink.close()
+        self._release_outputs()
+
+    def _release_outputs(self) -> None:
+        """Close the sinks and the quarantine file, then unlock the run folder (last, so that
+        no other writer starts while these still write)."""
+        try:
+            for sink in self.sinks:
+                sink.close()
+            self.quarantine.close()
+        finally:
+            if self.run_lock is not None:
+                self.run_lock.release()
 
     def __enter__(self) -> Guard:
         return self

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from trainguard.events import _json_number, _utc_now
+from trainguard.line_file import LineFile, Report, stderr_report
 
 
 def _key(ids: Sequence[Any]) -> str:
@@ -16,10 +16,22 @@ def _key(ids: Sequence[Any]) -> str:
 
 
 class Quarantine:
-    """`run_dir/quarantine.jsonl`, loaded at start so a restarted run honours it too."""
+    """`run_dir/quarantine.jsonl`, loaded at start so a restarted run honours it too. A record
+    the disk refuses still holds in this run, is kept in memory, said once, and written with
+    the next record or at `close`."""
 
-    def __init__(self, path: str | Path | None) -> None:
+    def __init__(self, path: str | Path | None, report: Report = stderr_report) -> None:
         self.path = Path(path) if path is not None else None
+        self.file = (
+            LineFile(
+                self.path,
+                report,
+                keep=True,
+                note="; this run still skips them, a restarted one would not",
+            )
+            if self.path is not None
+            else None
+        )
         self.batches: set[str] = set()
         self.samples: set[str] = set()
         self.records: list[dict[str, Any]] = []
@@ -63,13 +75,20 @@ class Quarantine:
             "sample_ids": list(sample_ids) if sample_ids else None,
         }
         self._remember(record)
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+        if self.file is not None:
+            self.file.write((json.dumps(record) + "\n").encode(), sync=True)
+            self.file.release()  # records are rare: no file is held open between them
         return record
+
+    @property
+    def unwritten(self) -> int:
+        """Records kept in memory only, because the disk refused them."""
+        return len(self.file.unwritten) if self.file is not None else 0
+
+    def close(self) -> None:
+        """One last try to write the records kept in memory; never raises."""
+        if self.file is not None:
+            self.file.close(sync=True)
 
     def contains(self, ids: Sequence[Any]) -> bool:
         """Whether a batch with these ids was quarantined, or holds a quarantined sample."""

@@ -60,6 +60,8 @@ class TrainguardCallback(TrainerCallback):
             self.run_dir if self.run_dir is not None else Path(args.output_dir or ".", "trainguard")
         )
         Path(run_dir).mkdir(parents=True, exist_ok=True)
+        if self.guard is not None:  # a fit that ended in an error left it open
+            self.guard.close()
         self.guard = Guard(model, inner, config=config, run_dir=run_dir)
         self._hook = model.register_forward_hook(self._capture)
         callback = self

@@ -46,6 +46,8 @@ class TrainguardCallback(pl.Callback):
             trainer.gradient_clip_val = None
         run_dir = self.run_dir if self.run_dir is not None else Path(trainer.default_root_dir)
         Path(run_dir, "trainguard").mkdir(parents=True, exist_ok=True)
+        if self.guard is not None:  # a fit that ended in an error left it open
+            self.guard.close()
         self.guard = Guard(pl_module, optimizer, config=config, run_dir=Path(run_dir, "trainguard"))
         if self._restored is not None:
             self.guard.load_state_dict(self._restored)

@@ -1,14 +1,16 @@
-"""Append-only JSON-lines files of a run: `events.jsonl` and `metrics.jsonl`."""
+"""Append-only JSON-lines files of a run: `events.jsonl` and `metrics.jsonl`. A full or failing
+disk never stops training and never leaves half a line: lines are dropped, counted and
+reported (see `trainguard.line_file.LineFile`)."""
 
 from __future__ import annotations
 
 import json
-import os
 from importlib import resources
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from trainguard.events import Event, TrainguardError
+from trainguard.line_file import FULL_DISK, LineFile, Report, stderr_report
 from trainguard.sinks.base import Sink
 
 
@@ -19,48 +21,55 @@ def load_schema(name: str) -> dict[str, Any]:
     return schema
 
 
-def _open_append(path: Path) -> IO[str]:
+def _open_lines(path: Path, report: Report) -> LineFile:
+    """The run file at `path`, open; a full disk starts it dropping lines, any other error is a
+    TrainguardError (a run_dir that cannot be written is a mistake to fix before training)."""
+    lines = LineFile(path, report)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path.open("a", encoding="utf-8")
+        lines.open()
     except OSError as exc:
-        raise TrainguardError(
-            f"cannot write {path}: {exc.strerror or exc}; choose a writable run_dir"
-        ) from None
+        if exc.errno not in FULL_DISK:
+            raise TrainguardError(
+                f"cannot write {path}: {exc.strerror or exc}; choose a writable run_dir"
+            ) from None
+        lines.fail(exc)
+    return lines
 
 
 class EventLog(Sink):
-    """`events.jsonl`: one JSON object per event, flushed at once, fsync'd when critical."""
+    """`events.jsonl`: one JSON object per event, written at once, fsync'd when critical."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, report: Report = stderr_report) -> None:
         self.path = Path(path)
-        self._file = _open_append(self.path)
+        self.lines = _open_lines(self.path, report)
+
+    @property
+    def dropped(self) -> int:
+        """Events the disk refused, over the run."""
+        return self.lines.dropped
 
     def on_event(self, event: Event) -> None:
-        self._file.write(json.dumps(event.to_dict(), allow_nan=False) + "\n")
-        self._file.flush()
-        if event.severity == "critical":
-            os.fsync(self._file.fileno())
+        line = json.dumps(event.to_dict(), allow_nan=False) + "\n"
+        self.lines.write(line.encode(), sync=event.severity == "critical")
 
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
+        self.lines.close(sync=True)
 
 
 class MetricsLog(Sink):
-    """`metrics.jsonl`: one JSON object per logged step, flushed each line."""
+    """`metrics.jsonl`: one JSON object per logged step, written at once."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, report: Report = stderr_report) -> None:
         self.path = Path(path)
-        self._file = _open_append(self.path)
+        self.lines = _open_lines(self.path, report)
+
+    @property
+    def dropped(self) -> int:
+        """Metrics lines the disk refused, over the run."""
+        return self.lines.dropped
 
     def on_metrics(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        self.lines.write((json.dumps(record, allow_nan=False) + "\n").encode())
 
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-            self._file.close()
+        self.lines.close()

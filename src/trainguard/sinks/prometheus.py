@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -10,13 +11,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from trainguard.events import SEVERITY_RANK, Event
 from trainguard.sinks.base import Sink
 
+DEFAULT_ADDR = "127.0.0.1"  # this host only; "0.0.0.0" serves a scraper on another host
+
 
 class PrometheusSink(Sink):
-    """Serves `/metrics` on `port` (0 picks a free one; see `.port`): gauges for loss, grad norm,
-    LR, loss scale, step and steps per second; counters of incidents by kind, skips and
-    rollbacks."""
+    """Serves `/metrics` on `addr`:`port` (0 picks a free one; see `.port`): gauges for loss,
+    grad norm, LR, loss scale, step and steps per second; counters of incidents by kind, skips
+    and rollbacks. Raises the OSError of an address that cannot be bound (a busy port)."""
 
-    def __init__(self, port: int, addr: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, addr: str = DEFAULT_ADDR) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.gauges = {
@@ -37,6 +40,7 @@ class PrometheusSink(Sink):
         self.skips = Counter("trainguard_skips", "Steps skipped by the guard.", registry=r)
         self.rollbacks = Counter("trainguard_rollbacks", "Rollbacks by the guard.", registry=r)
         self.server, self._thread = start_http_server(port, addr=addr, registry=r)
+        self.addr = addr
         self.port = int(self.server.server_port)
         self._last: tuple[int, float] | None = None
 
@@ -64,4 +68,5 @@ class PrometheusSink(Sink):
 
     def close(self) -> None:
         self.server.shutdown()
-        self.server.server_close()
+        with contextlib.suppress(OSError):
+            self.server.server_close()

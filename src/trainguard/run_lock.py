@@ -1,0 +1,156 @@
+"""`RunLock`: one live writer per run folder, an `flock` on `run_dir/.lock`. The kernel drops the
+lock when its process dies, so the lock of a killed run is taken over without a word."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import gc
+import io
+import json
+import os
+import socket
+import sys
+import weakref
+from pathlib import Path
+from typing import Any
+
+from trainguard.events import TrainguardError, _utc_now
+from trainguard.line_file import FULL_DISK, Report, describe_os_error, stderr_report
+
+if sys.platform != "win32":
+    import fcntl
+
+LOCK_NAME = ".lock"
+_HELD = frozenset({errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES})
+_LIVE: weakref.WeakSet[RunLock] = weakref.WeakSet()  # this process's locks, for fork
+
+
+class RunLock:
+    """An exclusive lock on a run folder for the life of one Guard, with the holder's pid, host
+    and start time in the file for the error a second writer gets; `release` frees it."""
+
+    def __init__(self, path: Path, file: io.FileIO) -> None:
+        self.path = path
+        self._file: io.FileIO | None = file
+        _LIVE.add(self)
+
+    @property
+    def held(self) -> bool:
+        """Whether this lock is still held."""
+        return self._file is not None
+
+    @classmethod
+    def take(cls, run_dir: Path, report: Report = stderr_report) -> RunLock | None:
+        """Lock `run_dir` for this process or raise a TrainguardError that names the holder;
+        None, after one warning, where the file system cannot lock (and on Windows)."""
+        if sys.platform == "win32":
+            return None
+        path = run_dir / LOCK_NAME
+        unlocked = f"the run goes on without a lock: make sure no other run writes to {run_dir}"
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            file = io.FileIO(path, "a+")
+        except OSError as exc:
+            if exc.errno in FULL_DISK:
+                report(f"cannot make {path} ({describe_os_error(exc)}); {unlocked}")
+                return None
+            raise TrainguardError(
+                f"cannot write {run_dir}: {exc.strerror or exc}; choose a writable run_dir"
+            ) from None
+        failure = _lock(file)
+        if failure is not None and failure.errno in _HELD and _is_this_process(_holder(file)):
+            gc.collect()  # a Guard that nothing refers to may hold it until it is collected
+            failure = _lock(file)
+        if failure is None:
+            with contextlib.suppress(OSError):  # a full disk: the lock holds, unsigned
+                os.ftruncate(file.fileno(), 0)
+                holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": _utc_now()}
+                file.write(json.dumps(holder).encode() + b"\n")
+            return cls(path, file)
+        holder = _holder(file)
+        file.close()
+        if failure.errno in _HELD:
+            raise TrainguardError(_in_use(run_dir, holder))
+        report(f"cannot lock {path} ({describe_os_error(failure)}); {unlocked}")
+        return None
+
+    def release(self) -> None:
+        """Unlock and close (the file stays, empty); never raises."""
+        file, self._file = self._file, None
+        if file is None:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(file.fileno(), 0)
+        with contextlib.suppress(OSError):
+            fcntl.flock(file.fileno(), fcntl.LOCK_UN)
+        with contextlib.suppress(OSError):
+            file.close()
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: close the inherited copy without unlocking, so that the lock
+        lives and dies with the process that took it."""
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):
+                file.close()
+
+
+def _lock(file: io.FileIO) -> OSError | None:
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc
+    return None
+
+
+def _holder(file: io.FileIO) -> dict[str, Any]:
+    """What the holder wrote into the lock file; empty when it is unreadable or not yet
+    written."""
+    try:
+        holder = json.loads(os.pread(file.fileno(), 4096, 0))
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _is_this_process(holder: dict[str, Any]) -> bool:
+    return holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
+
+
+def _in_use(run_dir: Path, holder: dict[str, Any]) -> str:
+    since = f"since {holder['since']}" if holder.get("since") else "since an unknown time"
+    if _is_this_process(holder):
+        return (
+            f"{run_dir} is in use by another Guard in this process ({since}): close that one "
+            "first (guard.close(), or `with tg.Guard(...) as guard:`), or give each its own "
+            "run_dir"
+        )
+    if not holder.get("pid"):
+        who = "another trainguard run"
+    else:
+        pid, host = holder["pid"], holder.get("host", "an unknown host")
+        gone = ""
+        if host == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+            gone = "; it has exited, and a process it forked still holds the lock"
+        who = f"another trainguard run (pid {pid} on host {host}, {since}{gone})"
+    return f"{run_dir} is in use by {who}: give each run its own run_dir, or stop the other one"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, and someone else's
+        return True
+    return True
+
+
+def _close_inherited_locks() -> None:
+    for lock in list(_LIVE):
+        lock._forget_in_child()
+
+
+if sys.platform != "win32":
+    os.register_at_fork(after_in_child=_close_inherited_locks)
