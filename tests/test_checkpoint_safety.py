@@ -126,6 +126,9 @@ def test_a_checkpoint_of_another_optimizer_is_one_clear_error(run):
     run_dir, _ = run
     with pytest.raises(CheckpointMismatch, match="its optimizer is AdamW, the run's is SGD"):
         resume(run_dir, optimizer="sgd")
+    guard, _ = resume(run_dir)  # the failed resume left the run folder free and intact
+    guard.close()
+    assert guard.global_step == BAD
 
 
 def test_a_checkpoint_of_another_model_names_what_differs(run):

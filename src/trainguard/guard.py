@@ -754,7 +754,11 @@ class Guard:
         if config is None and (path / "config.json").is_file():
             config = GuardConfig.load(path / "config.json")
         guard = cls(model, optimizer, scheduler, scaler, config=config, run_dir=path, sinks=sinks)
-        guard._restore_newest()
+        try:
+            guard._restore_newest()
+        except BaseException:  # a checkpoint that does not fit: release the run folder
+            guard.close()
+            raise
         return guard
 
     def _restore_newest(self) -> None:
