@@ -1,9 +1,14 @@
-"""Shared helpers: the demo corpus, reading run files, and synthetic loss curves."""
+"""Shared helpers: the demo corpus, reading run files, synthetic loss curves, and a real full
+disk."""
 
 from __future__ import annotations
 
+import errno
+import gc
 import json
 import math
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +23,49 @@ def corpus() -> MarkovCorpus:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class TmpfsDisk:
+    """A real tmpfs (mounting one needs root), filled to the last byte by a filler file."""
+
+    kind = "tmpfs"
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.filler = directory / "filler"
+
+    @classmethod
+    def mount(cls, directory: Path, size: str = "8m") -> TmpfsDisk | None:
+        """The tmpfs mounted on `directory` (made if missing); None where it cannot be."""
+        directory.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() != 0:
+            return None
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+            capture_output=True,
+            check=False,
+        )
+        return cls(directory) if done.returncode == 0 else None
+
+    def fill(self) -> None:
+        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            for size in (1 << 16, 4096, 1):
+                try:
+                    while True:
+                        os.write(fd, b"\0" * size)
+                except OSError as full:
+                    assert full.errno == errno.ENOSPC, full
+        finally:
+            os.close(fd)
+
+    def free(self) -> None:
+        self.filler.unlink()
+
+    def unmount(self) -> None:
+        gc.collect()  # files of Guards a failed run left open
+        if subprocess.run(["umount", str(self.dir)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(self.dir)], check=True)
 
 
 def lm_curve(

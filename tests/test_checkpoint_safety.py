@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ from trainguard.actions import checkpoints as checkpoints_module
 from trainguard.actions.checkpoint_files import METADATA
 from trainguard.actions.checkpoints import CheckpointMismatch, CheckpointStore
 
-from helpers import read_jsonl
+from helpers import TmpfsDisk, read_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -186,41 +185,17 @@ def test_a_dcp_checkpoint_exception_never_escapes_into_training(tmp_path, monkey
     assert "OSError: [Errno 5] I/O error" in warning
 
 
-def _mount_tmpfs(where: Path, size: str) -> bool:
-    where.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        return False
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-        capture_output=True,
-        check=False,
-    )
-    return done.returncode == 0
-
-
-def _fill(where: Path) -> None:
-    """Leave no free block under `where`."""
-    f = (where / "filler").open("wb", buffering=0)
-    for size in (1 << 16, 512, 1):
-        try:
-            while True:
-                f.write(b"\0" * size)
-        except OSError:
-            pass
-    f.close()
-
-
 def test_a_full_disk_never_stops_training_and_resume_works_on_it(tmp_path):
     """The checkpoint folder on a real 1 MiB tmpfs (as root), else a folder whose writes fail."""
     checkpoints = tmp_path / "checkpoints"
-    mounted = _mount_tmpfs(checkpoints, "1m")
+    disk = TmpfsDisk.mount(checkpoints, "1m")
     try:
         model, opt = tiny_setup()
         guard = tg.Guard(model, opt, config=tiny_config(), run_dir=tmp_path)
         train(guard, model, GOOD)
         assert (checkpoints / f"step-{GOOD}").is_dir()
-        if mounted:
-            _fill(checkpoints)
+        if disk is not None:
+            disk.fill()
         else:
             os.chmod(checkpoints, 0o500)  # not root: no new folder can be made there
         train(guard, model, 4 * GOOD)
@@ -234,8 +209,8 @@ def test_a_full_disk_never_stops_training_and_resume_works_on_it(tmp_path):
         guard.close()
         assert guard.global_step == GOOD
     finally:
-        if mounted:
-            subprocess.run(["umount", str(checkpoints)], check=False)
+        if disk is not None:
+            disk.unmount()
 
 
 def test_the_leftovers_of_an_interrupted_write_are_removed_on_resume(run):

@@ -5,7 +5,6 @@ holds it), and the run-folder lock (a second writer, a SIGKILLed holder, NFS wit
 from __future__ import annotations
 
 import errno
-import gc
 import io
 import json
 import math
@@ -30,7 +29,7 @@ from trainguard.sinks import EventLog, MetricsLog
 from trainguard.sinks.prometheus import PrometheusSink
 from trainguard.sinks.tensorboard import TensorBoardSink
 
-from helpers import read_jsonl
+from helpers import TmpfsDisk, read_jsonl
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -65,46 +64,6 @@ class WrapperDisk:
 
     def free(self) -> None:
         self.room = math.inf
-
-
-class TmpfsDisk:
-    """A real 8 MiB tmpfs, filled to the last page by a filler file."""
-
-    kind = "tmpfs"
-
-    def __init__(self, directory: Path) -> None:
-        self.dir = directory
-        self.filler = directory / "filler"
-
-    @classmethod
-    def mount(cls, directory: Path) -> TmpfsDisk | None:
-        if os.geteuid() != 0:
-            return None
-        directory.mkdir()
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(directory)],
-            capture_output=True,
-        )
-        return cls(directory) if done.returncode == 0 else None
-
-    def fill(self) -> None:
-        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        try:
-            for size in (1 << 16, 4096, 1):
-                with pytest.raises(OSError) as full:
-                    while True:
-                        os.write(fd, b"\0" * size)
-                assert full.value.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
-
-    def free(self) -> None:
-        self.filler.unlink()
-
-    def unmount(self) -> None:
-        gc.collect()  # files of Guards a failed test left open
-        if subprocess.run(["umount", str(self.dir)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(self.dir)], check=True)
 
 
 @pytest.fixture(params=["tmpfs", "wrapper"])

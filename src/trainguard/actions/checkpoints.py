@@ -486,12 +486,17 @@ def load_sharded(
     set_state_dict(
         model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optim_state
     )
+    _restore_the_rest(plain, scheduler, scaler, rng)
+    return plain
+
+
+def _restore_the_rest(plain: dict[str, Any], scheduler: Any, scaler: Any, rng: Any) -> None:
+    """Put back the scheduler, the scaler and the random states, once weights and optimizer are."""
     if scheduler is not None and plain["scheduler"] is not None:
         scheduler.load_state_dict(plain["scheduler"])
     if scaler is not None and plain["scaler"] is not None:
         scaler.load_state_dict(plain["scaler"])
     set_rng_state(rng)
-    return plain
 
 
 def training_state(
@@ -653,10 +658,6 @@ def prepare_restore(
     def apply() -> None:
         model.load_state_dict(weights)
         optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
-        if scheduler is not None and plain["scheduler"] is not None:
-            scheduler.load_state_dict(plain["scheduler"])
-        if scaler is not None and plain["scaler"] is not None:
-            scaler.load_state_dict(plain["scaler"])
-        set_rng_state(rng)
+        _restore_the_rest(plain, scheduler, scaler, rng)
 
     return apply
