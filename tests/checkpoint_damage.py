@@ -295,6 +295,26 @@ def payloads(marker: Path, real_metadata: bytes) -> dict[str, bytes]:
         + b"0"
         + real_metadata[2:]
     )
+    # no code runs, but fields of shared objects would change for the whole process
+    attribute = (
+        b"N}" + _text("__repr__") + _global("torch.serialization", "_get_layout") + b"s\x86b0"
+    )
+    out["BUILD on an allowed class, then the real metadata"] = (
+        proto + _global("pathlib", "PosixPath") + attribute + real_metadata[2:]
+    )
+    out["BUILD on an allowed function"] = (
+        proto + _global("torch.serialization", "_get_layout") + attribute + real_metadata[2:]
+    )
+    out["BUILD on a shared enum member"] = (
+        proto
+        + _global("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")
+        + b"(K\x01tR"  # the member of value 1
+        + attribute
+        + real_metadata[2:]
+    )
+    out["SETITEMS into a class's dict"] = (
+        proto + _global("pathlib", "PosixPath") + b"(" + _text("x") + b"Nu0" + real_metadata[2:]
+    )
     return out
 
 

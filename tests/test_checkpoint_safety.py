@@ -8,6 +8,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,6 +121,41 @@ def test_the_stealth_payload_would_have_run_under_a_plain_unpickle(run, tmp_path
     real = (folder(run[0], BAD) / METADATA).read_bytes()
     pickle.loads(payloads(marker, real)["stealth: payload then the real metadata"])
     assert marker.exists()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "BUILD on an allowed class, then the real metadata",
+        "BUILD on an allowed function",
+        "BUILD on a shared enum member",
+    ],
+)
+def test_the_payloads_that_change_shared_objects_would_have_under_the_allow_list_alone(
+    run, tmp_path, name
+):
+    """An exact list of globals is not enough: BUILD sets fields of what a global names. In a
+    process of its own, the allow-listed unpickler without the program check is fooled."""
+    real = (folder(run[0], BAD) / METADATA).read_bytes()
+    data = payloads(tmp_path / "pwned", real)[name]
+    (tmp_path / "payload").write_bytes(data)
+    script = (
+        "import io, pathlib, sys\n"
+        "from trainguard.actions.checkpoint_files import MetadataUnpickler\n"
+        "MetadataUnpickler(io.BytesIO(pathlib.Path(sys.argv[1]).read_bytes())).load()\n"
+        "import torch.serialization as s\n"
+        "from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as E\n"
+        "print(getattr(pathlib.PosixPath, '__repr__') is s._get_layout"
+        " or 'x' in vars(pathlib.PosixPath) or '__repr__' in vars(s._get_layout)"
+        " or '__repr__' in vars(E(1)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "payload")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.stdout.strip() == "True", done.stderr[-2000:]
 
 
 def test_a_checkpoint_of_another_optimizer_is_one_clear_error(run):
@@ -241,3 +278,40 @@ def test_a_checkpoint_with_plain_sha256_digests_of_an_earlier_release_still_resu
     guard.close()
     assert guard.global_step == BAD
     assert_weights(model, weights[BAD])
+
+
+def test_a_checkpoint_without_a_scheduler_resumed_with_one_is_one_clear_error(run):
+    run_dir, _ = run
+    model, opt = tiny_setup()
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=5)
+    with pytest.raises(CheckpointMismatch, match="it has no scheduler state, the run has a StepLR"):
+        tg.Guard.resume(run_dir, model, opt, scheduler, config=tiny_config())
+
+
+def test_a_new_run_in_a_used_run_dir_replaces_none_of_its_checkpoints(run):
+    run_dir, weights = run
+    model, opt = tiny_setup()
+    guard = tg.Guard(model, opt, config=tiny_config(), run_dir=run_dir)  # not resume: step 0
+    train(guard, model, GOOD)
+    guard.close()
+    (aside,) = run_dir.glob("checkpoints-earlier-*")
+    assert sorted(p.name for p in aside.iterdir()) == [f"step-{GOOD}", f"step-{BAD}"]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step-{GOOD}"]
+    (warning,) = checkpoint_warnings(run_dir)
+    assert f"moved to {aside.name}" in warning and "tg.Guard.resume" in warning
+    shutil.rmtree(run_dir / "checkpoints")
+    aside.rename(run_dir / "checkpoints")  # the earlier run, whole: it resumes where it stood
+    guard, model = resume(run_dir)
+    guard.close()
+    assert guard.global_step == BAD
+    assert_weights(model, weights[BAD])
+
+
+def test_a_resumed_run_keeps_its_checkpoints_in_place(run):
+    run_dir, _ = run
+    guard, model = resume(run_dir)
+    train(guard, model, BAD + GOOD)
+    guard.close()
+    assert not list(run_dir.glob("checkpoints-earlier-*"))
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names == [f"step-{GOOD}", f"step-{BAD}", f"step-{BAD + GOOD}"]

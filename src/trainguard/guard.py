@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -37,7 +38,14 @@ from trainguard.distributed import (
     StepExchange,
     local_grad_norm_hook,
 )
-from trainguard.events import Decision, Event, TrainguardError, TrainingHalted, _json_number
+from trainguard.events import (
+    Decision,
+    Event,
+    TrainguardError,
+    TrainingHalted,
+    _json_number,
+    _utc_now,
+)
 from trainguard.line_file import write_small_file
 from trainguard.moe.routing import RoutingStats
 from trainguard.policy import StepPolicy
@@ -115,6 +123,7 @@ class Guard:
         self._positions: dict[int, int] = {}
         self._last_incident = -(10**9)
         self._last_good_checkpoint: int | None = None
+        self._continues_a_run = False  # resumed, or given a state: the checkpoints are its own
         self._replay_rng: dict[str, Any] | None = rng_state()  # where the first forward starts
         self._last_trace = -(10**9)
         rec = self.config.recovery
@@ -695,6 +704,9 @@ class Guard:
         assert self.model is not None and self.optimizer is not None and self.actions is not None
         if self.checkpoints is None:
             raise TrainguardError("checkpoints need a run_dir: build the Guard with run_dir=...")
+        if not self._continues_a_run:
+            self._continues_a_run = True
+            self._set_aside_earlier_checkpoints()
         step = self.global_step
         known_good = self._healthy_window(step)
         if known_good:
@@ -727,6 +739,37 @@ class Guard:
         for error in self._checkpoint_errors():
             self._warn(error)
 
+    def _set_aside_earlier_checkpoints(self) -> None:
+        """Before a new run's first checkpoint, move an earlier run's checkpoints in the same
+        run_dir aside, so that none is replaced: a restart that forgot `Guard.resume` loses
+        nothing."""
+        assert self.checkpoints is not None
+        directory = self.checkpoints.directory
+        earlier = self.checkpoints.complete()
+        if not earlier or (self.ranks is not None and not self.ranks.is_leader):
+            return
+        hint = "use tg.Guard.resume(...) to carry on from a run"
+        if self.ranks is not None:  # other ranks write into the folder: it cannot move now
+            self._warn(
+                f"{directory} holds checkpoints of an earlier run (newest {earlier[0].name}); "
+                f"this run started at step 0 replaces them as it reaches their steps: {hint}"
+            )
+            return
+        stamp = _utc_now().replace(":", "").replace("+", "")[:17]
+        aside = directory.with_name(f"{directory.name}-earlier-{stamp}")
+        try:
+            os.rename(directory, aside)
+        except OSError as exc:
+            self._warn(
+                f"{directory} holds an earlier run's checkpoints and cannot be moved "
+                f"aside ({exc.strerror}); this run replaces them as it goes: {hint}"
+            )
+            return
+        self._warn(
+            f"{directory} held checkpoints of an earlier run (newest {earlier[0].name}): moved to "
+            f"{aside.name}, so that this run, started at step 0, replaces none of them; {hint}"
+        )
+
     def _checkpoint_errors(self) -> list[str]:
         if self.checkpoints is None or not self.checkpoints.errors:
             return []
@@ -754,6 +797,7 @@ class Guard:
         if config is None and (path / "config.json").is_file():
             config = GuardConfig.load(path / "config.json")
         guard = cls(model, optimizer, scheduler, scaler, config=config, run_dir=path, sinks=sinks)
+        guard._continues_a_run = True
         try:
             guard._restore_newest()
         except BaseException:  # a checkpoint that does not fit: release the run folder
@@ -906,6 +950,7 @@ class Guard:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._continues_a_run = True
         self.global_step = int(state["global_step"])
         self.detectors.load_state_dict(state["detectors"])
         self.policy.load_state_dict(state["policy"])

@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import pickle
+import pickletools
 import re
 from functools import cache
 from pathlib import Path
@@ -39,26 +40,111 @@ class DamagedCheckpoint(TrainguardError):
     """A checkpoint whose files are missing, malformed or inconsistent: it is passed over."""
 
 
+_DCP = "torch.distributed.checkpoint.metadata"
+_BUILT = frozenset(  # the dataclasses DCP's metadata builds (NEWOBJ, then BUILD their fields)
+    {
+        (_DCP, "Metadata"),
+        (_DCP, "MetadataIndex"),
+        (_DCP, "StorageMeta"),
+        (_DCP, "TensorProperties"),
+        (_DCP, "TensorStorageMetadata"),
+        (_DCP, "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    }
+)
+_CALLED = frozenset(  # what it calls (REDUCE) for a value: a size, a layout, an enum, a path
+    {("torch", "Size"), ("torch.serialization", "_get_layout"), (_DCP, "_MEM_FORMAT_ENCODING")}
+    | {(m, n) for m in ("pathlib", "pathlib._local") for n in ("PosixPath", "WindowsPath")}
+)
+_DATA_OPS = frozenset(  # opcodes that push a plain value
+    [
+        "NONE",
+        "NEWTRUE",
+        "NEWFALSE",
+        "BININT",
+        "BININT1",
+        "BININT2",
+        "LONG1",
+        "LONG4",
+        "BINFLOAT",
+        "EMPTY_TUPLE",
+        "SHORT_BINBYTES",
+        "BINBYTES",
+    ]
+)
+_STR_OPS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"})
+_CONTAINER_OPS = {"EMPTY_DICT": "dict", "EMPTY_LIST": "list"}
+_FILL_OPS = {"APPEND": ("list", 1), "APPENDS": ("list", None), "SETITEM": ("dict", 2)}
+_FILL_OPS["SETITEMS"] = ("dict", None)
+_TUPLE_OPS = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}
+
+
+def check_pickle_program(raw: bytes) -> None:
+    """Read DCP metadata's pickle as a program before it runs: only the opcodes DCP writes,
+    calls only of `_CALLED`, objects built only of `_BUILT`, and fields set and containers filled
+    only on what the pickle itself made, never on a class, a function or a shared object."""
+    stack: list[tuple[str, ...]] = []
+    marks: list[int] = []
+    memo: dict[int, tuple[str, ...]] = {}
+    refuse = f"its {METADATA} is not the pickle DCP writes"
+    try:
+        for op, arg, _ in pickletools.genops(raw):
+            name = op.name
+            if name in ("PROTO", "FRAME", "STOP"):
+                continue
+            if name in _DATA_OPS:
+                stack.append(("value",))
+            elif name in _STR_OPS:
+                stack.append(("str", str(arg)))
+            elif name in _CONTAINER_OPS:
+                stack.append((_CONTAINER_OPS[name],))
+            elif name == "MARK":
+                marks.append(len(stack))
+            elif name == "TUPLE":
+                del stack[marks.pop() :]
+                stack.append(("value",))
+            elif name in _TUPLE_OPS:
+                del stack[len(stack) - _TUPLE_OPS[name] :]
+                stack.append(("value",))
+            elif name in _FILL_OPS:
+                kind, count = _FILL_OPS[name]
+                del stack[marks.pop() if count is None else len(stack) - count :]
+                if stack[-1][0] != kind:
+                    raise DamagedCheckpoint(f"{refuse}: {name} on a {stack[-1][0]}")
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1]
+            elif name in ("BINGET", "LONG_BINGET") and isinstance(arg, int):
+                stack.append(memo[arg])
+            elif name == "STACK_GLOBAL":
+                attr, module = stack.pop(), stack.pop()
+                if module[0] != "str" or attr[0] != "str":
+                    raise DamagedCheckpoint(f"{refuse}: a global named by no string")
+                stack.append(("global", module[1], attr[1]))
+            elif name in ("REDUCE", "NEWOBJ"):
+                stack.pop()  # the arguments
+                target = stack.pop()
+                allowed = _CALLED if name == "REDUCE" else _BUILT
+                if target[0] != "global" or target[1:] not in allowed:
+                    what = ".".join(target[1:]) if target[0] == "global" else f"a {target[0]}"
+                    raise DamagedCheckpoint(f"{refuse}: {name} of {what}")
+                stack.append(("value",) if name == "REDUCE" else ("object",))
+            elif name == "BUILD":
+                stack.pop()  # the state
+                if stack[-1][0] != "object":
+                    raise DamagedCheckpoint(f"{refuse}: BUILD sets fields of a {stack[-1][0]}")
+            else:
+                raise DamagedCheckpoint(f"{refuse}: it holds the opcode {name}")
+    except DamagedCheckpoint:
+        raise
+    except (ValueError, IndexError, KeyError) as exc:  # a garbled or truncated program
+        raise DamagedCheckpoint(f"its {METADATA} is not DCP metadata ({exc!r})") from None
+
+
 @cache
 def _allowed_globals() -> frozenset[tuple[str, str]]:
     """Exactly the (module, name) pairs DCP's metadata pickles refer to: no dotted names, no
     module prefixes, nothing that runs code when it is called with any arguments."""
-    dcp = "torch.distributed.checkpoint.metadata"
-    pairs = {
-        (dcp, "Metadata"),
-        (dcp, "MetadataIndex"),
-        (dcp, "StorageMeta"),
-        (dcp, "TensorProperties"),
-        (dcp, "TensorStorageMetadata"),
-        (dcp, "ChunkStorageMetadata"),
-        (dcp, "_MEM_FORMAT_ENCODING"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch.serialization", "_get_layout"),  # a lookup of a torch.layout by its name
-        ("torch", "Size"),
-        ("collections", "OrderedDict"),
-    }
-    for module in ("pathlib", "pathlib._local"):  # StorageMeta.checkpoint_id (3.13 moved it)
-        pairs |= {(module, "PosixPath"), (module, "WindowsPath"), (module, "PurePosixPath")}
+    pairs = set(_BUILT | _CALLED)  # paths: StorageMeta.checkpoint_id (3.13 moved them)
     pairs |= {("torch", n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
     return frozenset(pairs)
 
@@ -86,6 +172,7 @@ def read_metadata(path: Path, files: dict[str, str] | None = None) -> Metadata:
         raw = (path / METADATA).read_bytes()
     except OSError as exc:
         raise DamagedCheckpoint(f"its {METADATA} cannot be read ({exc.strerror})") from None
+    check_pickle_program(raw)
     try:
         metadata = MetadataUnpickler(io.BytesIO(raw)).load()
     except DamagedCheckpoint:

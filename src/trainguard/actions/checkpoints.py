@@ -583,6 +583,12 @@ def mismatches(
                     f"param group {i} has other hyperparameters ({_few(sorted(keys))}): "
                     "another optimizer"
                 )
+    if (plain["scheduler"] is None) != (scheduler is None):  # the schedule would restart or go
+        found.append(
+            f"it has no scheduler state, the run has a {type(scheduler).__name__}"
+            if scheduler is not None
+            else "it has a scheduler state, the run has no scheduler"
+        )
     for name, live_obj in (("scheduler", scheduler), ("scaler", scaler)):
         saved_state = plain[name]
         if live_obj is not None and saved_state is not None:
