@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import signal
@@ -41,6 +40,8 @@ from checkpoint_damage import (  # noqa: E402
 from trainguard.actions.checkpoint_files import METADATA  # noqa: E402
 from trainguard.actions.checkpoints import CheckpointMismatch, CheckpointStore  # noqa: E402
 
+from helpers import TmpfsDisk  # noqa: E402
+
 WORKER = TESTS / "resume_worker.py"
 STEPS = 120  # the worker checkpoints every 40 steps
 
@@ -52,6 +53,14 @@ def _worker(run_dir: Path, *args: str) -> subprocess.Popen[bytes]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
+
+
+def _wait_for_training(proc: subprocess.Popen[bytes], run_dir: Path) -> float:
+    """The time the worker logged its first step (it imports torch for a few seconds first)."""
+    log = run_dir / "losses.txt"
+    while proc.poll() is None and not (log.exists() and log.stat().st_size):
+        time.sleep(0.01)
+    return time.perf_counter()
 
 
 def _losses(run_dir: Path) -> dict[int, str]:
@@ -72,11 +81,11 @@ def _events(run_dir: Path) -> list[dict[str, object]]:
 def kill_trials(n: int, rng: random.Random, work: Path) -> tuple[str, dict[str, int]]:
     """SIGKILL `n` runs, at random wall-clock moments and inside checkpoint writes, resume each."""
     reference = work / "reference"
-    start = time.perf_counter()
     proc = _worker(reference)
+    first = _wait_for_training(proc, reference)
     _, err = proc.communicate()
     assert proc.returncode == 0, err.decode()[-2000:]
-    duration = time.perf_counter() - start
+    training = time.perf_counter() - first  # from the first step to the end
     expected = _losses(reference)
     counts = {"trials": 0, "during a write": 0, "corrupt loads": 0, "bit-equal": 0, "failed": 0}
     rows = []
@@ -87,10 +96,11 @@ def kill_trials(n: int, rng: random.Random, work: Path) -> tuple[str, dict[str, 
             proc = _worker(run_dir, "--kill-writing", str(40 * (1 + i % 2)))
             proc.wait()
         else:
-            delay = rng.uniform(0.25, 0.95) * duration
-            how = f"after {delay:.1f} s"
+            share = rng.uniform(0.0, 0.98)
+            how = f"{100 * share:.0f}% into training"
             proc = _worker(run_dir)
-            time.sleep(delay)
+            started = _wait_for_training(proc, run_dir)
+            time.sleep(max(0.0, started + share * training - time.perf_counter()))
             proc.send_signal(signal.SIGKILL)
             proc.wait()
         if proc.returncode != -signal.SIGKILL:
@@ -195,17 +205,8 @@ def disk_full_trial(work: Path, mib: int) -> dict[str, object]:
     """Train through a full disk with the whole run folder on a small tmpfs (root), then resume
     on the still-full disk."""
     run_dir = work / "tmpfs"
-    run_dir.mkdir()
-    mounted = (
-        os.geteuid() == 0
-        and subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(run_dir)],
-            capture_output=True,
-            check=False,
-        ).returncode
-        == 0
-    )
-    if not mounted:
+    disk = TmpfsDisk.mount(run_dir, f"{mib}m")
+    if disk is None:
         return {"run": "not run: mounting a tmpfs needs root"}
     try:
         from trainguard.demo import TinyGPT
@@ -224,7 +225,7 @@ def disk_full_trial(work: Path, mib: int) -> dict[str, object]:
         try:
             while guard.global_step < steps:
                 if guard.global_step == steps // 3:  # something else fills the disk
-                    _fill(run_dir)
+                    disk.fill()
                 loss = model.loss(model(x[:, :32]), x[:, 1:])
                 loss.backward()
                 guard.step(loss)
@@ -265,19 +266,7 @@ def disk_full_trial(work: Path, mib: int) -> dict[str, object]:
             "resume on the full disk": resumed_at,
         }
     finally:
-        subprocess.run(["umount", "-l", str(run_dir)], check=False)
-
-
-def _fill(where: Path) -> None:
-    """Leave no free byte under `where`."""
-    f = (where / "filler").open("wb", buffering=0)
-    for size in (1 << 16, 512, 1):
-        try:
-            while True:
-                f.write(b"\0" * size)
-        except OSError:
-            pass
-    f.close()
+        disk.unmount()
 
 
 def _is_json(line: bytes) -> bool:
@@ -308,7 +297,8 @@ def main() -> None:
     body = "\n".join(
         [
             f"**SIGKILL** ({args.kills} runs of the resume worker, 120 TinyGPT steps, a "
-            "checkpoint every 40, asynchronous; killed at a random moment, or inside DCP's "
+            "checkpoint every 40, asynchronous; killed at a random moment of its training "
+            "(uniform from the first step to the last), or inside DCP's "
             f"writer, then resumed): {kills['trials']} killed, {kills['during a write']} "
             f"of them with a checkpoint half written, {kills['corrupt loads']} corrupt loads, "
             f"{kills['bit-equal']} resumed onto the uninterrupted trajectory bit for bit, "
