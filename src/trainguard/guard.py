@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainguard.actions import OptimizerActions
-from trainguard.actions.checkpoint_files import DamagedCheckpoint
+from trainguard.actions.checkpoint_files import DamagedCheckpoint, passed_over
 from trainguard.actions.checkpoints import (
     CheckpointStore,
     check_rng,
@@ -825,29 +825,26 @@ class Guard:
             )
             self._check_guard_state(plain)
         else:
-            for manifest, tensors, plain in self.checkpoints.candidates(self._warn):
-                path = Path(manifest["path"])
-                try:  # one that does not fit the run raises: every older one is alike
-                    apply = prepare_restore(
-                        path,
-                        tensors,
-                        plain,
-                        self.model,
-                        self.optimizer,
-                        self.scheduler,
-                        self.scaler,
-                    )
-                    self._check_guard_state(plain)
-                except DamagedCheckpoint as exc:
-                    self._warn(f"{path.name} is unusable: {exc}; using the one before it")
-                    continue
-                apply()
-                break
-            else:
+
+            def fits(
+                path: Path, tensors: dict[str, torch.Tensor], plain: dict[str, Any]
+            ) -> Callable[[], None]:  # one that does not fit the run raises: all older alike
+                assert self.model is not None and self.optimizer is not None
+                apply = prepare_restore(
+                    path, tensors, plain, self.model, self.optimizer, self.scheduler, self.scaler
+                )
+                self._check_guard_state(plain)
+                return apply
+
+            found = self.checkpoints.load_newest(self._warn, fits)
+            if found is None:
                 self._warn(
                     f"no usable checkpoint in {self.checkpoints.directory}: starting at step 0"
                 )
                 return
+            manifest, plain, apply = found
+            path = Path(manifest["path"])
+            apply()
         self.load_state_dict(plain["guard"])
         self.checkpoints.protected = set(plain.get("protected", []))
         self._last_good_checkpoint = plain.get("last_good_checkpoint")
@@ -872,9 +869,7 @@ class Guard:
             StepPolicy(self.config.policy, self.config.recovery).load_state_dict(state["policy"])
             if self.optimizer is not None and state.get("actions") is not None:
                 OptimizerActions(self.optimizer).load_state_dict(state["actions"])
-            int(state.get("last_incident", 0))
-            [(int(k), int(v)) for k, v in state.get("positions", [])]
-            {str(k): int(v) for k, v in state.get("action_counts", {}).items()}
+            self._counters(state)
             data = plain["data"]
             if data is not None:
                 int(data["position"])
@@ -896,7 +891,7 @@ class Guard:
                 try:
                     manifest = self.checkpoints.verify(path)
                 except DamagedCheckpoint as exc:
-                    self._warn(f"{path.name} is unusable: {exc}; using the one before it")
+                    self._warn(passed_over(path, exc))
                     continue
                 manifest["path"] = str(path)
                 choice = [manifest]
@@ -956,9 +951,16 @@ class Guard:
         self.policy.load_state_dict(state["policy"])
         if self.actions is not None and state.get("actions") is not None:
             self.actions.load_state_dict(state["actions"])
-        self._last_incident = int(state.get("last_incident", self._last_incident))
-        self._positions = {int(k): int(v) for k, v in state.get("positions", [])}
-        self.action_counts.update(state.get("action_counts", {}))
+        self._last_incident, self._positions, counts = self._counters(state)
+        self.action_counts.update(counts)
+
+    def _counters(self, state: dict[str, Any]) -> tuple[int, dict[int, int], dict[str, int]]:
+        """The last incident, the data positions and the action counts of a guard state."""
+        return (
+            int(state.get("last_incident", self._last_incident)),
+            {int(k): int(v) for k, v in state.get("positions", [])},
+            {str(k): int(v) for k, v in state.get("action_counts", {}).items()},
+        )
 
     def close(self) -> None:
         """Flush and close every sink and release the run folder; the guard stays usable for

@@ -237,22 +237,21 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-def file_digest(path: Path, step: int) -> str:
+def file_digest(path: Path, step: int | None) -> str:
     """The sha256 of a checkpoint file bound to its step and name: the same bytes under another
-    step or another name have another digest."""
-    digest = hashlib.sha256(f"trainguard checkpoint step {step} file {path.name}\n".encode())
+    step or another name have another digest (`step` None: the plain sha256 of the bytes, as
+    manifests before `DIGEST_SCHEME` hold)."""
+    header = "" if step is None else f"trainguard checkpoint step {step} file {path.name}\n"
+    digest = hashlib.sha256(header.encode())
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
 
 
-def _plain_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+def passed_over(path: Path, exc: DamagedCheckpoint) -> str:
+    """The warning for a damaged checkpoint that resume passes over."""
+    return f"{path.name} is unusable: {exc}; using the one before it"
 
 
 def read_json(path: Path, what: str) -> Any:
@@ -291,7 +290,7 @@ def verify_manifest(path: Path, step: int) -> dict[str, Any]:
         if not _FILE_NAME.fullmatch(name) or not file.is_file():
             raise DamagedCheckpoint(f"its {name} is missing")
         try:
-            actual = file_digest(file, step) if bound else _plain_sha256(file)
+            actual = file_digest(file, step if bound else None)
         except OSError as exc:
             raise DamagedCheckpoint(f"its {name} cannot be read ({exc.strerror})") from None
         if actual != digest:

@@ -14,7 +14,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from trainguard.actions.checkpoint_files import (
     SafeReader,
     check_plain_state,
     file_digest,
+    passed_over,
     read_json,
     read_metadata,
     tensor_entries,
@@ -46,6 +47,7 @@ from trainguard.distributed.context import RankContext
 from trainguard.events import TrainguardError, _utc_now
 
 PREFIX = "step-"
+Accepted = TypeVar("Accepted")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -337,12 +339,15 @@ class CheckpointStore:
         plain = check_plain_state(read_json(path / PLAIN_STATE, "JSON"), step)
         return template, plain
 
-    def candidates(
-        self, warn: Callable[[str], None]
-    ) -> Iterator[tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]]:
-        """Manifest, tensors and plain state of each checkpoint that verifies and loads, newest
-        first; each one passed over, and each leftover of an interrupted write, is warned about
-        (the leftovers are removed: they only hold disk)."""
+    def load_newest(
+        self,
+        warn: Callable[[str], None],
+        accept: Callable[[Path, dict[str, torch.Tensor], dict[str, Any]], Accepted],
+    ) -> tuple[dict[str, Any], dict[str, Any], Accepted] | None:
+        """Manifest, plain state and `accept`'s answer for the newest checkpoint that verifies,
+        loads and that `accept` takes (it raises `DamagedCheckpoint` to pass one over); None
+        when there is none. Each one passed over, and each leftover of an interrupted write, is
+        warned about (the leftovers are removed: they only hold disk)."""
         if self.directory.is_dir():
             for p in sorted(self.directory.iterdir()):
                 if p.name.startswith(f".{PREFIX}") and ".tmp-" in p.name:
@@ -358,11 +363,13 @@ class CheckpointStore:
             try:
                 manifest = self.verify(path)
                 tensors, plain = self.load(path, manifest)
+                accepted = accept(path, tensors, plain)
             except DamagedCheckpoint as exc:
-                warn(f"{path.name} is unusable: {exc}; using the one before it")
+                warn(passed_over(path, exc))
                 continue
             manifest["path"] = str(path)
-            yield manifest, tensors, plain
+            return manifest, plain, accepted
+        return None
 
 
 def _first_line(exc: BaseException) -> str:
