@@ -40,7 +40,7 @@ from checkpoint_damage import (  # noqa: E402
 from trainguard.actions.checkpoint_files import METADATA  # noqa: E402
 from trainguard.actions.checkpoints import CheckpointMismatch, CheckpointStore  # noqa: E402
 
-from helpers import TmpfsDisk  # noqa: E402
+from helpers import TmpfsDisk, worker_losses  # noqa: E402
 
 WORKER = TESTS / "resume_worker.py"
 STEPS = 120  # the worker checkpoints every 40 steps
@@ -64,14 +64,6 @@ def _wait_for_training(proc: subprocess.Popen[bytes], run_dir: Path) -> float:
     return time.time()
 
 
-def _losses(run_dir: Path) -> dict[int, str]:
-    out: dict[int, str] = {}
-    for line in (run_dir / "losses.txt").read_text().splitlines():
-        step, value = line.split()
-        out[int(step)] = value
-    return out
-
-
 def _events(run_dir: Path) -> list[dict[str, object]]:
     path = run_dir / "events.jsonl"
     if not path.exists():
@@ -87,7 +79,7 @@ def kill_trials(n: int, rng: random.Random, work: Path) -> tuple[str, dict[str, 
     _, err = proc.communicate()
     assert proc.returncode == 0, err.decode()[-2000:]
     training = (reference / "losses.txt").stat().st_mtime - first  # the first step to the last
-    expected = _losses(reference)
+    expected = worker_losses(reference)
     counts = {"trials": 0, "during a write": 0, "corrupt loads": 0, "bit-equal": 0, "failed": 0}
     rows = []
     for i in range(n):
@@ -119,7 +111,7 @@ def kill_trials(n: int, rng: random.Random, work: Path) -> tuple[str, dict[str, 
         events = _events(run_dir)
         unusable = [e for e in events if "unusable" in str(e.get("message", ""))]
         resumed = [e["metrics"] for e in events if e["kind"] == "resume"]
-        same = done.returncode == 0 and _losses(run_dir) == expected
+        same = done.returncode == 0 and worker_losses(run_dir) == expected
         counts["corrupt loads"] += bool(unusable)
         counts["bit-equal"] += same
         counts["failed"] += not same

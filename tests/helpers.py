@@ -25,6 +25,16 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def worker_losses(run_dir: Path) -> dict[int, str]:
+    """Step -> exact loss as resume_worker.py logs it; a resumed run's lines replace those of the
+    steps it replays."""
+    out: dict[int, str] = {}
+    for line in (run_dir / "losses.txt").read_text().splitlines():
+        step, value = line.split()
+        out[int(step)] = value
+    return out
+
+
 class TmpfsDisk:
     """A real tmpfs (mounting one needs root), filled to the last byte by a filler file."""
 

@@ -64,15 +64,22 @@ def assert_weights(model: torch.nn.Module, expected: dict[str, torch.Tensor]) ->
         assert torch.equal(value, expected[key]), key
 
 
+def assert_resumes_to(
+    run_dir: Path, step: int, weights: dict[int, dict[str, torch.Tensor]]
+) -> None:
+    """Resume `run_dir`: it must stand at `step` with the weights trained to it."""
+    guard, model = resume(run_dir)
+    guard.close()
+    assert guard.global_step == step
+    assert_weights(model, weights[step])
+
+
 @pytest.mark.parametrize("name", sorted(DAMAGES))
 def test_a_damaged_checkpoint_is_passed_over_for_the_one_before_it(run, name):
     run_dir, weights = run
     damage, word = DAMAGES[name]
     damage(folder(run_dir, BAD))
-    guard, model = resume(run_dir)
-    guard.close()
-    assert guard.global_step == GOOD
-    assert_weights(model, weights[GOOD])
+    assert_resumes_to(run_dir, GOOD, weights)
     (warning,) = [w for w in checkpoint_warnings(run_dir) if f"step-{BAD}" in w]
     assert word in warning, warning
     assert "using the one before it" in warning
@@ -274,10 +281,7 @@ def test_a_checkpoint_with_plain_sha256_digests_of_an_earlier_release_still_resu
         n: hashlib.sha256((bad / n).read_bytes()).hexdigest() for n in manifest["files"]
     }
     (bad / "manifest.json").write_text(json.dumps(manifest))
-    guard, model = resume(run_dir)
-    guard.close()
-    assert guard.global_step == BAD
-    assert_weights(model, weights[BAD])
+    assert_resumes_to(run_dir, BAD, weights)
 
 
 def test_a_checkpoint_without_a_scheduler_resumed_with_one_is_one_clear_error(run):
@@ -301,10 +305,7 @@ def test_a_new_run_in_a_used_run_dir_replaces_none_of_its_checkpoints(run):
     assert f"moved to {aside.name}" in warning and "tg.Guard.resume" in warning
     shutil.rmtree(run_dir / "checkpoints")
     aside.rename(run_dir / "checkpoints")  # the earlier run, whole: it resumes where it stood
-    guard, model = resume(run_dir)
-    guard.close()
-    assert guard.global_step == BAD
-    assert_weights(model, weights[BAD])
+    assert_resumes_to(run_dir, BAD, weights)
 
 
 def test_a_resumed_run_keeps_its_checkpoints_in_place(run):

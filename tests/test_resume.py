@@ -18,6 +18,7 @@ from trainguard.actions.checkpoint_files import MANIFEST, file_digest
 from trainguard.actions.checkpoints import CheckpointStore
 
 from helpers import read_jsonl
+from helpers import worker_losses as losses
 
 WORKER = Path(__file__).with_name("resume_worker.py")
 STEPS = 120
@@ -35,15 +36,6 @@ def worker(run_dir: Path, *args: str) -> int:
     if done.returncode not in (0, -signal.SIGKILL):
         raise AssertionError(done.stderr[-3000:])
     return done.returncode
-
-
-def losses(run_dir: Path) -> dict[int, str]:
-    """Step -> exact loss; a resumed run's lines replace those of the steps it replays."""
-    out: dict[int, str] = {}
-    for line in (run_dir / "losses.txt").read_text().splitlines():
-        step, value = line.split()
-        out[int(step)] = value
-    return out
 
 
 @pytest.fixture(scope="module")
