@@ -59,3 +59,31 @@ def test_healthy_megatron_gpt3_run_is_quiet():
     assert [
         e for e in run_suite("megatron-gpt3-15b-release-h100-dev.csv") if e.severity != "info"
     ] == []
+
+
+def test_labels_index_every_curve_and_each_parses_and_has_its_source():
+    """labels.json names every CSV once; each reads with read_log, has a SOURCES.md entry and the
+    half the sha256 rule gives it; a file is unhealthy exactly when it lists instabilities."""
+    import hashlib
+    import json
+
+    from trainguard.analysis.logs import read_log
+
+    labels_path = CURVES / "labels.json"
+    assert labels_path.is_file(), f"{labels_path} is missing: it is committed beside the curves"
+    labels = json.loads(labels_path.read_text())
+    sources = (CURVES / "SOURCES.md").read_text()
+    assert sorted(labels) == sorted(p.name for p in CURVES.glob("*.csv"))
+    for name, label in labels.items():
+        with (CURVES / name).open() as f:
+            rows = sum(1 for _ in f) - 1
+        log = read_log(CURVES / name)
+        assert len(log.steps) == rows and not log.warnings, (name, log.warnings)
+        assert f"\n### {name}\n" in sources, f"{name} has no SOURCES.md entry"
+        assert label["healthy"] == (not label["instabilities"]), name
+        for start, end in label["instabilities"] + label.get("outliers", []):
+            assert log.steps[0] <= start <= end <= log.steps[-1], (name, start, end)
+        repo, _, rest = label["source"].partition("@")
+        assert repo.count("/") == 1 and len(rest.split(":", 1)[0]) == 40, label["source"]
+        even = int(hashlib.sha256(name.encode()).hexdigest(), 16) % 2 == 0
+        assert label["half"] == ("tune" if even else "held_out"), name
