@@ -1,0 +1,5 @@
+"""`python -m trainguard`: the same command line as the `trainguard` script."""
+
+from trainguard.cli import main
+
+main()
