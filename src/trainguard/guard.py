@@ -297,7 +297,16 @@ class Guard:
                 per_sample_losses = per_sample_losses()
         values: list[float] = per_sample_losses.detach().float().reshape(-1).tolist()
         id_list = [_plain(i) for i in ids] if ids is not None else None
-        samples = blame_samples(values, id_list, text, cfg.sample_z, cfg.sample_perplexity)
+        samples = blame_samples(
+            values,
+            id_list,
+            text,
+            cfg.sample_z,
+            cfg.sample_perplexity,
+            baseline=_spike_baseline(decision, values),
+            min_excess=cfg.sample_min_excess,
+            relative_spread=cfg.sample_relative_spread,
+        )
         if not samples:
             return []
         shown = ", ".join(f"{s.id} ({s.loss:.4g})" for s in samples[:10])
@@ -1006,6 +1015,22 @@ def _report(message: str) -> None:
     Console(stderr=True).print(
         f"[yellow]trainguard:[/] {escape(message)}", highlight=False, soft_wrap=True
     )
+
+
+def _spike_baseline(decision: Decision, values: list[float]) -> float | None:
+    """The loss level before the spike, in the per-sample losses' units (their mean over the
+    step's loss rescales it, should they be sums or the step's loss hold other terms)."""
+    spike = next((e for e in decision.events if e.kind == "loss_spike"), None)
+    if spike is None:
+        return None
+    level, loss = spike.metrics.get("level"), spike.metrics.get("loss")
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite or not isinstance(level, (int, float)) or not isinstance(loss, (int, float)):
+        return None
+    if not (math.isfinite(level) and math.isfinite(loss)):
+        return None
+    mean = sum(finite) / len(finite)
+    return float(level) * (mean / loss) if loss > 0 and mean > 0 else float(level)
 
 
 def _origin_metrics(report: NonFiniteReport) -> dict[str, Any]:
