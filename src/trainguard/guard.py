@@ -378,12 +378,13 @@ class Guard:
         metrics: dict[str, Any] | None = None,
     ) -> None:
         message = text if text is not None else report.describe()
+        metrics = metrics if metrics is not None else _origin_metrics(report)
         event = Event(
             step=decision.step,
             kind="nan_origin",
-            severity="critical" if (metrics or _origin_metrics(report))["module"] else "warning",
+            severity="warning" if metrics["transient"] else "critical",
             message=message if rank is None else f"rank {rank}: {message}",
-            metrics=metrics if metrics is not None else _origin_metrics(report),
+            metrics=metrics,
             action=decision.action,
             rank=rank,
         )
@@ -1044,6 +1045,7 @@ def _origin_metrics(report: NonFiniteReport) -> dict[str, Any]:
         "input_absmax": origin.input_absmax if origin else None,
         "dtype": origin.dtype if origin else None,
         "frames": origin.frames if origin else [],
+        "inputs": [i.to_dict() for i in report.inputs],
     }
 
 
