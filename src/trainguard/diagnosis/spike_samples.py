@@ -18,6 +18,7 @@ RELATIVE_SPREAD = 0.1  # the robust spread is at least this share of the median
 EXPLAINED = 0.9  # the blamed samples hold this share of the outliers' excess over the baseline
 CARRIED = 0.5  # the outliers hold at least this share of the batch's excess, or none is blamed
 NOISE_Z = 3.0  # the batch's excess must pass this many of its own noise deviations
+UPPER_QUANTILE, UPPER_Z = 0.9, 1.2816  # the upper tail's spread: (q90 - median) / 1.28, a normal's
 
 
 def lm_cross_entropy(
@@ -59,8 +60,9 @@ def blame_samples(
 ) -> list[SpikeSample]:
     """The samples whose loss is an outlier of the batch, worst first: more than `z_threshold`
     robust deviations above the median and at least `min_excess` above it in the loss's own
-    units, the deviation floored at `relative_spread` x the median (a fitted batch's MAD is ~0);
-    or non-finite, or with a perplexity over `perplexity`.
+    units, the deviation floored at `relative_spread` x the median (a fitted batch's MAD is ~0)
+    and at the upper tail's own spread (a heavy right tail, such as squared errors, is no
+    outlier); or non-finite, or with a perplexity over `perplexity`.
 
     With `baseline`, the loss level before a spike, only the outliers that explain the spike:
     the fewest, worst first, holding `EXPLAINED` of the outliers' excess over the baseline, and
@@ -71,7 +73,9 @@ def blame_samples(
         return []  # every sample non-finite: the model's fault, not one sample's
     centre = median(finite)
     spread = MAD_TO_SIGMA * median([abs(x - centre) for x in finite])
-    spread = max(spread, relative_spread * abs(centre), 1e-12)
+    ordered = sorted(finite)
+    upper = (ordered[int(UPPER_QUANTILE * (len(ordered) - 1))] - centre) / UPPER_Z
+    spread = max(spread, upper, relative_spread * abs(centre), 1e-12)
     outliers: list[SpikeSample] = []
     forced: list[SpikeSample] = []  # non-finite, or over the perplexity: blamed whatever else
     for i, value in enumerate(losses):
