@@ -238,3 +238,26 @@ def test_a_guarded_run_names_the_nan_input_and_its_samples_and_recovers(tmp_path
     assert logged[0]["metrics"]["inputs"][0]["samples"] == [3, 17]
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.2 * losses[0]
+
+
+class MaskedScores(nn.Module):
+    """Attention-like scores with an additive causal mask (0 or -inf), as a buffer and as an
+    input, then log(0) of a module of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("causal", torch.full((3, 3), -math.inf).triu(1))
+        self.log = LogFeature()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = (x @ x.T + mask + self.causal).softmax(-1)
+        return self.log(scores - 2.0)
+
+
+def test_an_additive_mask_of_minus_inf_is_not_a_bad_input():
+    model = MaskedScores()
+    mask = torch.zeros(3, 3)
+    mask[0, 2] = -math.inf
+    report = tg.trace_nonfinite(model, lambda: model(torch.randn(3, 4), mask).sum())
+    assert report.inputs == [] and report.origin is not None
+    assert report.origin.module_type == "LogFeature" and report.origin.op == "aten.log.default"

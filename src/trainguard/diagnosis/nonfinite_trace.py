@@ -291,7 +291,7 @@ class _TraceState:
     def found_external(self, op: str, inputs: list[torch.Tensor]) -> None:
         """An op read a non-finite tensor no op of the replay made: the batch's targets, a
         buffer, a tensor attribute."""
-        outside = [t for t in inputs if not self.is_made(t) and not _all_finite([t])]
+        outside = [t for t in inputs if not self.is_made(t) and _unexpected_nonfinite(t)]
         if not outside:
             return
         module, _ = self.current()
@@ -426,7 +426,7 @@ def _bad_inputs(
     bad = [
         NonFiniteInput.of(t, name, "input")
         for name, t in tensors
-        if (t.is_floating_point() or t.is_complex()) and not _all_finite([t])
+        if (t.is_floating_point() or t.is_complex()) and _unexpected_nonfinite(t)
     ]
     return bad, _absmax([t for _, t in tensors if t.is_floating_point()])
 
@@ -481,6 +481,17 @@ def _tensors(value: Any, name: str, out: list[tuple[str, torch.Tensor]], depth: 
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             _tensors(item, f"{name}[{i}]", out, depth + 1)
+
+
+def _unexpected_nonfinite(tensor: torch.Tensor) -> bool:
+    """NaN or Inf that no data should hold: -inf among values all <= 0 is an additive mask
+    (0 or -inf, causal masks, ALiBi biases) and is left alone."""
+    data = tensor.detach()
+    if _all_finite([data]):
+        return False
+    if data.is_complex() or bool(torch.isnan(data).any()) or bool((data == math.inf).any()):
+        return True
+    return bool((data[torch.isfinite(data)] > 0).any())
 
 
 def _user_frames() -> list[str]:
