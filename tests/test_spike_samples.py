@@ -75,3 +75,88 @@ def test_blame_samples_robust_test_and_perplexity_option():
     flagged = blame_samples(mild, perplexity=math.exp(1.2))
     assert [s.index for s in flagged] == [6]
     assert blame_samples([1.0, math.nan, 1.1])[0].index == 1  # a NaN sample is the culprit
+
+
+def lm_batch(seed: int) -> list[float]:
+    """64 sequence losses of a healthy LM batch: around 2.0 with a spread of 0.15."""
+    g = torch.Generator().manual_seed(seed)
+    return (2.0 + 0.15 * torch.randn(64, generator=g)).tolist()
+
+
+def fitted_batch(seed: int) -> list[float]:
+    """64 cross-entropies of a fitted classifier: median 1e-4, heavy-tailed (log-normal)."""
+    g = torch.Generator().manual_seed(seed)
+    return (1e-4 * torch.exp(1.5 * torch.randn(64, generator=g))).tolist()
+
+
+PLANTED = (4, 20, 50)
+
+
+@pytest.mark.parametrize("make", [lm_batch, fitted_batch])
+def test_blame_names_exactly_the_planted_samples_that_carry_the_spike(make):
+    for seed in range(5):
+        losses = make(seed)
+        clean_mean = sum(losses) / len(losses)
+        for i, value in zip(PLANTED, (9.0, 6.5, 12.0), strict=True):
+            losses[i] = value
+        blamed = blame_samples(losses, baseline=clean_mean)
+        assert sorted(s.index for s in blamed) == list(PLANTED), (make.__name__, seed)
+        assert sorted(s.index for s in blame_samples(losses)) == list(PLANTED)  # floors alone
+
+
+@pytest.mark.parametrize("make", [lm_batch, fitted_batch])
+def test_blame_of_a_clean_batch_names_no_one(make):
+    for seed in range(20):
+        losses = make(seed)
+        mean = sum(losses) / len(losses)
+        assert blame_samples(losses, baseline=0.9 * mean) == [], (make.__name__, seed)
+        assert blame_samples(losses) == [], (make.__name__, seed)
+
+
+def test_a_small_loss_is_not_toxic_however_tight_the_batch():
+    losses = [1e-5] * 60 + [2e-5, 3e-5, 0.01, 0.3]
+    assert blame_samples(losses) == []  # z is in the millions, but 0.3 nats is no poison
+    assert [s.index for s in blame_samples(losses, min_excess=0.1)] == [63]
+
+
+def test_a_spike_spread_over_the_batch_blames_no_sample():
+    """An LR burst lifts every sample; the batch's own outliers do not explain that."""
+    losses = [x + 1.0 for x in lm_batch(3)]
+    losses[7] = 4.6  # an outlier in the batch (z ~ 10), but 2.6 of a 66 excess
+    assert [s.index for s in blame_samples(losses)] == [7]
+    assert blame_samples(losses, baseline=2.0) == []
+
+
+def test_a_fitted_classifier_spike_blames_the_three_mislabelled_samples(tmp_path):
+    torch.manual_seed(0)
+    centres = torch.randn(10, 20) * 4
+    labels = torch.randint(10, (4096,))
+    inputs = centres[labels] + torch.randn(4096, 20)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    guard = tg.Guard(model, opt, config=tg.GuardConfig(console=False), run_dir=tmp_path)
+    g = torch.Generator().manual_seed(1)
+    named: list[list[int]] = []
+    for step in range(320):
+        index = torch.randint(4096, (64,), generator=g)
+        x, y = inputs[index], labels[index].clone()
+        if step == 300:  # the classifier fits its data by now (median loss ~1e-4)
+            y[list(PLANTED)] = (y[list(PLANTED)] + 1) % 10
+        per_sample = F.cross_entropy(model(x), y, reduction="none")
+        per_sample.mean().backward()
+        ids = list(range(64 * step, 64 * step + 64))
+        decision = guard.step(
+            per_sample.mean(),
+            batch_ids=index.tolist(),
+            sample_ids=ids,
+            per_sample_losses=per_sample,
+        )
+        opt.zero_grad(set_to_none=True)
+        for e in decision.events:
+            if e.kind == "spike_samples":
+                named.append(sorted(s["index"] for s in e.metrics["samples"]))
+    guard.close()
+    assert named == [list(PLANTED)]
+    planted_ids = {64 * 300 + i for i in PLANTED}
+    for record in read_jsonl(tmp_path / "quarantine.jsonl"):
+        assert set(record["sample_ids"]) == planted_ids  # never a clean sample

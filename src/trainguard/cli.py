@@ -255,6 +255,14 @@ def scan_command(
     perplexity: Annotated[
         float | None, typer.Option(help="Also flag samples with a perplexity over this.")
     ] = None,
+    min_excess: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="A flagged sample's loss is at least this far above the median, in the loss's "
+            "units (1 nat of cross-entropy); set it for losses on another scale.",
+        ),
+    ] = 1.0,
 ) -> None:
     """Scan a dataset offline for toxic samples and quarantine them for the guard."""
     from trainguard.diagnosis.scan import scan
@@ -268,6 +276,7 @@ def scan_command(
             setup["per_sample_loss_fn"],
             z_threshold=z,
             perplexity=perplexity,
+            min_excess=min_excess,
             quarantine_path=run_dir / "quarantine.jsonl",
             **extra,
         )

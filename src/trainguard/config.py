@@ -343,6 +343,18 @@ class DiagnosisConfig(_Section):
     sample_perplexity: float | None = Field(
         None, gt=1, description="Also blame samples with a perplexity over this; off."
     )
+    sample_min_excess: float = Field(
+        1.0,
+        ge=0,
+        description="A blamed sample's loss is at least this far above the batch median, in the "
+        "loss's units (1 nat of cross-entropy); set it for losses on another scale (MSE).",
+    )
+    sample_relative_spread: float = Field(
+        0.1,
+        ge=0,
+        description="Floor of the robust spread the sample z uses, as a share of the median "
+        "loss: a fitted batch's MAD is ~0.",
+    )
     lint: bool = Field(True, description="Lint the set-up once at the start (info events).")
     total_steps: int | None = Field(
         None, ge=1, description="Planned optimizer steps, for the lint's warmup check."

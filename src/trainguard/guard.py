@@ -297,7 +297,16 @@ class Guard:
                 per_sample_losses = per_sample_losses()
         values: list[float] = per_sample_losses.detach().float().reshape(-1).tolist()
         id_list = [_plain(i) for i in ids] if ids is not None else None
-        samples = blame_samples(values, id_list, text, cfg.sample_z, cfg.sample_perplexity)
+        samples = blame_samples(
+            values,
+            id_list,
+            text,
+            cfg.sample_z,
+            cfg.sample_perplexity,
+            baseline=_spike_baseline(decision, values),
+            min_excess=cfg.sample_min_excess,
+            relative_spread=cfg.sample_relative_spread,
+        )
         if not samples:
             return []
         shown = ", ".join(f"{s.id} ({s.loss:.4g})" for s in samples[:10])
@@ -369,12 +378,13 @@ class Guard:
         metrics: dict[str, Any] | None = None,
     ) -> None:
         message = text if text is not None else report.describe()
+        metrics = metrics if metrics is not None else _origin_metrics(report)
         event = Event(
             step=decision.step,
             kind="nan_origin",
-            severity="critical" if (metrics or _origin_metrics(report))["module"] else "warning",
+            severity="warning" if metrics["transient"] else "critical",
             message=message if rank is None else f"rank {rank}: {message}",
-            metrics=metrics if metrics is not None else _origin_metrics(report),
+            metrics=metrics,
             action=decision.action,
             rank=rank,
         )
@@ -1008,6 +1018,22 @@ def _report(message: str) -> None:
     )
 
 
+def _spike_baseline(decision: Decision, values: list[float]) -> float | None:
+    """The loss level before the spike, in the per-sample losses' units (their mean over the
+    step's loss rescales it, should they be sums or the step's loss hold other terms)."""
+    spike = next((e for e in decision.events if e.kind == "loss_spike"), None)
+    if spike is None:
+        return None
+    level, loss = spike.metrics.get("level"), spike.metrics.get("loss")
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite or not isinstance(level, (int, float)) or not isinstance(loss, (int, float)):
+        return None
+    if not (math.isfinite(level) and math.isfinite(loss)):
+        return None
+    mean = sum(finite) / len(finite)
+    return float(level) * (mean / loss) if loss > 0 and mean > 0 else float(level)
+
+
 def _origin_metrics(report: NonFiniteReport) -> dict[str, Any]:
     origin = report.origin
     return {
@@ -1019,6 +1045,7 @@ def _origin_metrics(report: NonFiniteReport) -> dict[str, Any]:
         "input_absmax": origin.input_absmax if origin else None,
         "dtype": origin.dtype if origin else None,
         "frames": origin.frames if origin else [],
+        "inputs": [i.to_dict() for i in report.inputs],
     }
 
 

@@ -2,6 +2,7 @@
 
 from trainguard.diagnosis.nonfinite_trace import (
     ModuleRecord,
+    NonFiniteInput,
     NonFiniteOrigin,
     NonFiniteReport,
     TensorStats,
@@ -12,6 +13,7 @@ from trainguard.diagnosis.spike_samples import SpikeSample, blame_samples, lm_cr
 
 __all__ = [
     "ModuleRecord",
+    "NonFiniteInput",
     "NonFiniteOrigin",
     "NonFiniteReport",
     "ScanResult",

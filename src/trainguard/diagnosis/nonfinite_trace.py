@@ -1,14 +1,17 @@
 """`trace_nonfinite`: run a step with every module and op watched, and name the first one that
-turned finite inputs into NaN/Inf, in the forward or the backward pass."""
+turned finite inputs into NaN/Inf, in the forward or the backward pass; or the batch itself,
+when the model's inputs (or a tensor the loss reads, such as the targets) already hold NaN/Inf."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import traceback
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -16,9 +19,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-Direction = Literal["forward", "backward", "parameter"]
+Direction = Literal["forward", "backward", "parameter", "input"]
 MAX_RECORDS = 4096
 FRAMES = 20
+MAX_SAMPLES = 1024  # sample indices kept per bad input
+SHOWN_SAMPLES = 10  # of those, named in the message
+MAX_DEPTH = 4  # nesting of dicts, lists and tuples walked in the model's inputs
 
 
 @dataclass
@@ -76,6 +82,59 @@ class ModuleRecord:
 
 
 @dataclass
+class NonFiniteInput:
+    """A tensor the step read that already held NaN/Inf before any op made it: a forward input
+    of the model (`role` "input", named by the forward's signature, `x` or `batch['pixels']`),
+    or another tensor an op read (`role` "external": the targets of a loss computed outside the
+    model, a buffer, a tensor attribute), with the op and module that read it. `samples` are the
+    indices along dim 0 that hold NaN/Inf."""
+
+    name: str
+    role: Literal["input", "external"]
+    samples: list[int]
+    nan: int
+    inf: int
+    shape: list[int]
+    dtype: str
+    op: str | None = None
+    module: str | None = None
+
+    @classmethod
+    def of(
+        cls, tensor: torch.Tensor, name: str, role: Literal["input", "external"]
+    ) -> NonFiniteInput:
+        data = tensor.detach()
+        bad = ~torch.isfinite(data)
+        rows = bad.reshape(bad.shape[0], -1).any(1) if data.dim() else bad.reshape(1)
+        samples = rows.nonzero().flatten()[:MAX_SAMPLES].tolist() if data.dim() else []
+        return cls(
+            name=name,
+            role=role,
+            samples=[int(i) for i in samples],
+            nan=int(torch.isnan(data).sum()),
+            inf=int(torch.isinf(data).sum()),
+            shape=list(data.shape),
+            dtype=str(data.dtype).replace("torch.", ""),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        shown = ", ".join(str(i) for i in self.samples[:SHOWN_SAMPLES])
+        if len(self.samples) > SHOWN_SAMPLES:
+            shown += f", ... ({len(self.samples)} in all)"
+        if self.samples:
+            where = f"sample{'s' if len(self.samples) > 1 else ''} {shown}"
+        else:
+            where = "a scalar" if not self.shape else "no sample"
+        if self.role == "input":
+            return f"input `{self.name}` ({where})"
+        inside = f" in {self.module}" if self.module else " outside the model (the targets?)"
+        return f"{self.name} read by {self.op}{inside} ({where})"
+
+
+@dataclass
 class NonFiniteOrigin:
     """The first module (and op inside it) whose output became non-finite from finite inputs."""
 
@@ -89,6 +148,8 @@ class NonFiniteOrigin:
     dtype: str | None = None
 
     def describe(self) -> str:
+        if self.direction == "input":
+            return self.hint
         where = f"{self.module or '(top level)'} ({self.module_type})"
         op = f", op {self.op}" if self.op else ""
         return f"NaN/Inf first appeared in {self.direction} of {where}{op}: {self.hint}"
@@ -96,10 +157,12 @@ class NonFiniteOrigin:
 
 @dataclass
 class NonFiniteReport:
-    """The origin, or none when the replay stayed finite (a transient fault), and the records."""
+    """The origin, or none when the replay stayed finite (a transient fault), and the records;
+    `inputs`, the tensors of the batch that held NaN/Inf, when the batch was the origin."""
 
     origin: NonFiniteOrigin | None
     records: list[ModuleRecord] = field(default_factory=list)
+    inputs: list[NonFiniteInput] = field(default_factory=list)
 
     @property
     def transient(self) -> bool:
@@ -164,13 +227,21 @@ class _Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         state = self.state
-        if state.origin is None:
+        if state.origin is None and not state.paused:
             outputs = _floats(out)
             if outputs and not _all_finite(outputs):
                 inputs = _floats((args, kwargs))
                 if _all_finite(inputs):
                     state.found_op(str(func), inputs, outputs)
+                elif state.direction == "forward":
+                    state.found_external(str(func), inputs)
+            if state.direction == "forward":
+                state.made_here(out)
         return out
+
+
+class _BatchHoldsNonFinite(Exception):
+    """Stops the replay: the batch itself holds NaN/Inf, so nothing after it needs tracing."""
 
 
 @dataclass
@@ -179,9 +250,58 @@ class _TraceState:
     stack: list[tuple[str, str]] = field(default_factory=list)
     origin: NonFiniteOrigin | None = None
     records: list[ModuleRecord] = field(default_factory=list)
+    inputs: list[NonFiniteInput] = field(default_factory=list)
+    made: dict[int, weakref.ref[torch.Tensor]] = field(default_factory=dict)
+    buffers: dict[int, str] = field(default_factory=dict)
+    model_type: str = ""
+    paused: bool = False  # the trace's own checks run unwatched
 
     def current(self) -> tuple[str, str]:
         return self.stack[-1] if self.stack else ("", "(top level)")
+
+    def made_here(self, out: Any) -> None:
+        """Remember the tensors an op of the replay produced: any other is from outside."""
+        leaves, _ = tree_flatten(out)
+        for t in leaves:
+            if isinstance(t, torch.Tensor):
+                self.made[id(t)] = weakref.ref(t)
+
+    def is_made(self, tensor: torch.Tensor) -> bool:
+        ref = self.made.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def found_inputs(self, bad: list[NonFiniteInput], absmax: float) -> None:
+        """The model's forward inputs (or a tensor from outside the step) hold NaN/Inf."""
+        self.inputs = bad
+        listed = " and ".join(b.describe() for b in bad)
+        self.origin = NonFiniteOrigin(
+            module=bad[0].module or "",
+            module_type=self.model_type,
+            direction="input",
+            op=bad[0].op,
+            hint=f"the batch holds NaN/Inf in {listed}: the data, not the model; check the data "
+            "pipeline (loading, augmentation, normalisation)"
+            + (" for these samples" if any(b.samples for b in bad) else ""),
+            frames=_user_frames(),
+            input_absmax=absmax,
+            dtype=bad[0].dtype,
+        )
+        raise _BatchHoldsNonFinite
+
+    def found_external(self, op: str, inputs: list[torch.Tensor]) -> None:
+        """An op read a non-finite tensor no op of the replay made: the batch's targets, a
+        buffer, a tensor attribute."""
+        outside = [t for t in inputs if not self.is_made(t) and _unexpected_nonfinite(t)]
+        if not outside:
+            return
+        module, _ = self.current()
+        bad = []
+        for t in outside:
+            name = self.buffers.get(id(t))
+            entry = NonFiniteInput.of(t, f"buffer {name}" if name else "a tensor", "external")
+            entry.op, entry.module = op, module
+            bad.append(entry)
+        self.found_inputs(bad, _absmax(outside))
 
     def found_op(self, op: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
         module, module_type = self.current()
@@ -193,11 +313,7 @@ class _TraceState:
                 forward_op = node.name().removesuffix("Backward0").removesuffix("Backward1")
                 name = f"{name} in {node.name()}"
                 hint = "in the gradient of " + _hint(f"aten.{forward_op.lower()}", inputs, outputs)
-        frames = [
-            f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
-            for f in traceback.extract_stack()
-            if f"{os.sep}torch{os.sep}" not in f.filename and f.filename != __file__
-        ][-FRAMES:]
+        frames = _user_frames()
         self.origin = NonFiniteOrigin(
             module=module,
             module_type=module_type,
@@ -254,7 +370,9 @@ def trace_nonfinite(model: nn.Module, fn: Callable[[], torch.Tensor]) -> NonFini
             )
             return NonFiniteReport(state.origin)
 
-    handles = []
+    state.model_type = type(model).__name__
+    state.buffers = {id(b): name for name, b in model.named_buffers()}
+    handles = [model.register_forward_pre_hook(_check_inputs(state, model), with_kwargs=True)]
     for name, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(_push(state, name, module)))
         handles.append(module.register_forward_hook(_pop(state, name, module)))
@@ -269,10 +387,120 @@ def trace_nonfinite(model: nn.Module, fn: Callable[[], torch.Tensor]) -> NonFini
                 with warnings.catch_warnings():  # hooks on modules whose inputs need no grad
                     warnings.filterwarnings("ignore", message="Full backward hook is firing")
                     loss.backward()  # type: ignore[no-untyped-call]
+    except _BatchHoldsNonFinite:
+        pass  # the batch is the origin: the rest of the step is not worth tracing
     finally:
         for handle in handles:
             handle.remove()
-    return NonFiniteReport(state.origin, state.records)
+        state.made.clear()
+    return NonFiniteReport(state.origin, state.records, state.inputs)
+
+
+def _check_inputs(state: _TraceState, model: nn.Module) -> Callable[..., None]:
+    """A forward pre-hook on the root module: its inputs holding NaN/Inf stop the replay."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if state.origin is not None:
+            return
+        state.paused = True
+        try:
+            bad, absmax = _bad_inputs(model, args, kwargs)
+        finally:
+            state.paused = False
+        if bad:
+            state.found_inputs(bad, absmax)
+
+    return hook
+
+
+def _bad_inputs(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[NonFiniteInput], float]:
+    """The floating tensors among a forward's inputs that hold NaN/Inf (integer ones cannot),
+    and the abs-max of the finite values of all of them."""
+    names = _argument_names(model, len(args))
+    named = [(names[i], value) for i, value in enumerate(args)] + list(kwargs.items())
+    tensors: list[tuple[str, torch.Tensor]] = []
+    for name, value in named:
+        _tensors(value, name, tensors, 0)
+    bad = [
+        NonFiniteInput.of(t, name, "input")
+        for name, t in tensors
+        if (t.is_floating_point() or t.is_complex()) and _unexpected_nonfinite(t)
+    ]
+    return bad, _absmax([t for _, t in tensors if t.is_floating_point()])
+
+
+def _argument_names(model: nn.Module, count: int) -> list[str]:
+    """Names of the first `count` positional arguments of the model's forward; a wrapper whose
+    forward takes only *args (DDP, torch.compile) is named by the module it wraps."""
+    target = model
+    for _ in range(3):
+        positional, star = _positional(target)
+        inner = getattr(target, "module", None) or getattr(target, "_orig_mod", None)
+        if positional or not isinstance(inner, nn.Module):
+            break
+        target = inner
+    positional, star = _positional(target)
+    return [
+        positional[i] if i < len(positional) else f"{star}[{i - len(positional)}]"
+        for i in range(count)
+    ]
+
+
+def _positional(module: nn.Module) -> tuple[list[str], str]:
+    """The positional parameter names of `module.forward`, and the name of its *args."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return [], "args"
+    names, star = [], "args"
+    for p in parameters:
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+        elif p.kind is p.VAR_POSITIONAL:
+            star = p.name
+            break
+    return names, star
+
+
+def _tensors(value: Any, name: str, out: list[tuple[str, torch.Tensor]], depth: int) -> None:
+    """Every tensor in `value`, walking dicts, lists and tuples, each with its path; a Python
+    float that is NaN/Inf (an input scale) as a scalar tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "meta" and value.numel():
+            out.append((name, value))
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            out.append((name, torch.tensor(value, dtype=torch.float64)))
+    elif depth >= MAX_DEPTH:
+        return
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _tensors(item, f"{name}[{key!r}]", out, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _tensors(item, f"{name}[{i}]", out, depth + 1)
+
+
+def _unexpected_nonfinite(tensor: torch.Tensor) -> bool:
+    """NaN or Inf that no data should hold: -inf among values all <= 0 is an additive mask
+    (0 or -inf, causal masks, ALiBi biases) and is left alone."""
+    data = tensor.detach()
+    if _all_finite([data]):
+        return False
+    if data.is_complex() or bool(torch.isnan(data).any()) or bool((data == math.inf).any()):
+        return True
+    return bool((data[torch.isfinite(data)] > 0).any())
+
+
+def _user_frames() -> list[str]:
+    """The last frames of the user's code: not torch's, not this file's."""
+    return [
+        f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
+        for f in traceback.extract_stack()
+        if f"{os.sep}torch{os.sep}" not in f.filename and f.filename != __file__
+    ][-FRAMES:]
 
 
 def _push(state: _TraceState, name: str, module: nn.Module) -> Callable[..., None]:

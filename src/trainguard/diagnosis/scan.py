@@ -12,7 +12,12 @@ from torch import nn
 
 from trainguard.actions.data import default_batch_ids
 from trainguard.actions.quarantine import Quarantine
-from trainguard.diagnosis.spike_samples import SpikeSample, blame_samples
+from trainguard.diagnosis.spike_samples import (
+    MIN_EXCESS,
+    RELATIVE_SPREAD,
+    SpikeSample,
+    blame_samples,
+)
 from trainguard.events import TrainguardError
 
 
@@ -37,10 +42,13 @@ def scan(
     z_threshold: float = 5.0,
     perplexity: float | None = None,
     quarantine_path: str | Path | None = None,
+    min_excess: float = MIN_EXCESS,
+    relative_spread: float = RELATIVE_SPREAD,
 ) -> ScanResult:
     """Per-sample losses of every batch (no gradients, eval mode), then the robust outlier test
-    of the spike samples over the whole dataset; flagged samples go to `quarantine_path`, which a
-    Guard with that run_dir honours."""
+    of the spike samples over the whole dataset (with its floors: `min_excess` above the median
+    in loss units, the spread at least `relative_spread` x the median); flagged samples go to
+    `quarantine_path`, which a Guard with that run_dir honours."""
     was_training = model.training
     model.eval()
     losses: list[float] = []
@@ -67,7 +75,13 @@ def scan(
     if not losses:
         raise TrainguardError("the dataset gave no batches to scan")
     flagged = blame_samples(
-        losses, sample_ids, previews or None, z_threshold=z_threshold, perplexity=perplexity
+        losses,
+        sample_ids,
+        previews or None,
+        z_threshold=z_threshold,
+        perplexity=perplexity,
+        min_excess=min_excess,
+        relative_spread=relative_spread,
     )
     path = Path(quarantine_path) if quarantine_path is not None else None
     if path is not None and flagged:
