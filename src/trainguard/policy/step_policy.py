@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +23,7 @@ def clears_noise(event: Event) -> bool:
     z, threshold = event.metrics.get("z_score"), event.metrics.get("z_threshold")
     if not isinstance(z, (int, float)) or not isinstance(threshold, (int, float)):
         return True
-    return math.isnan(z) is False and z >= threshold
+    return bool(z >= threshold)  # a NaN z clears nothing
 
 
 class StepPolicy:
