@@ -253,7 +253,8 @@ class Guard:
         ids: Callable[[Any], list[Any] | None] = default_batch_ids,
     ) -> GuardedBatches:
         """Wrap the data so a rollback rewinds it and skips the batches that fed the incident,
-        and quarantined batches never come back; `ids(batch)` names a batch's samples."""
+        and quarantined batches never come back; `ids(batch)` names a batch's samples. A source
+        with a `len()` sizes the recovery when `diagnosis.total_steps` is not set."""
         self._batches = GuardedBatches(source, ids, self.quarantine.contains, self._data_ended)
         length = self._batches.length
         if self.config.diagnosis.total_steps is None and length is not None and length > 0:

@@ -45,6 +45,8 @@ class GuardedBatches:
     A source with `state_dict`/`load_state_dict` (torchdata's `StatefulDataLoader`) is rewound
     from its state; any other re-iterable source (a `DataLoader`, a list) is iterated again with the
     random state it started with, so it repeats its order, and fast-forwarded by position.
+    `length` is `len(source)` when it has one (what a rollback may skip is sized to it);
+    `on_end` is told when the source runs out.
     """
 
     def __init__(
