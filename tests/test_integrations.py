@@ -250,3 +250,102 @@ def test_a_halt_stops_the_lightning_fit_with_the_diagnosis(tmp_path):
     assert trainer.global_step <= NAN_CALL
     kinds = [e["kind"] for e in events(tmp_path / "trainguard" / "events.jsonl")]
     assert kinds[-1] == "halt"
+
+
+class Burst:
+    """The LR x100 on the Trainer's optimizer steps 50 to 54 (the inner optimizer's step is
+    wrapped, so the guard's own step takes it), and a one-step false alarm: the loss 20x on
+    forward call 23 of clean data."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.step = 0
+
+    def hook(self, module: nn.Module, inputs: object, output: object) -> object:
+        if module.training:
+            self.calls += 1
+            if self.calls == 23:
+                output.loss = output.loss * 20.0  # type: ignore[attr-defined]
+        return output
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        burst = self
+
+        class Planted(TrainerCallback):
+            def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+                inner = getattr(optimizer, "optimizer", optimizer)
+                original = inner.step
+
+                def step(*a, **k):
+                    factor = 100.0 if 50 <= burst.step <= 54 else 1.0
+                    for group in inner.param_groups:
+                        group["lr"] *= factor
+                    try:
+                        return original(*a, **k)
+                    finally:
+                        for group in inner.param_groups:
+                            group["lr"] /= factor
+
+                inner.step = step
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                burst.step = state.global_step
+
+        return Planted()
+
+
+def burst_run(tmp_path, guard_config: dict | None):
+    """A 70-step Trainer run through the false alarm and the burst; the held-out loss and the
+    guard's events (None unguarded)."""
+    from transformers import Trainer, TrainingArguments
+
+    from trainguard.integrations.hf import TrainguardCallback
+
+    model = tiny_gpt2()
+    burst = Burst()
+    model.register_forward_hook(burst.hook)
+    guard = None if guard_config is None else TrainguardCallback(tg.GuardConfig(**guard_config))
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=70,
+        per_device_train_batch_size=8,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=1000,
+        learning_rate=3e-3,
+        max_grad_norm=1.0,
+        seed=0,
+    )
+    callbacks = [c for c in (guard, burst.callback()) if c is not None]  # the guard wraps first
+    Trainer(model=model, args=args, train_dataset=samples(70 * 8), callbacks=callbacks).train()
+    model.eval()
+    with torch.no_grad():
+        held = torch.stack([s["input_ids"] for s in samples(70 * 8 + 64)[-64:]])
+        loss = float(model(input_ids=held, labels=held).loss)
+    found = events(tmp_path / "trainguard" / "events.jsonl") if guard is not None else None
+    return loss, found
+
+
+def test_a_false_alarm_before_the_first_snapshot_leaves_the_hf_run_a_rollback_target(tmp_path):
+    config = {"console": False, "recovery": {"snapshot_every": 50}}
+    guarded, found = burst_run(tmp_path / "guarded", config)
+    assert next(e["step"] for e in found if e["kind"] == "loss_spike") == 22  # a false alarm
+    (rollback,) = [e for e in found if e["kind"] == "rollback"]
+    assert rollback["metrics"]["to_step"] == 50  # the snapshot taken on schedule after it
+    assert rollback["metrics"]["snapshot_after_warning"] == 22
+    unguarded, _ = burst_run(tmp_path / "unguarded", None)
+    assert guarded < unguarded
+
+
+def test_an_hf_explosion_with_no_snapshot_before_it_says_so_and_cuts_the_lr(tmp_path):
+    config = {"console": False, "recovery": {"snapshot_every": 60}}
+    _, found = burst_run(tmp_path, config)
+    kinds = [e["kind"] for e in found]
+    assert "rollback" not in kinds and "rollback_unavailable" in kinds
+    (unavailable,) = [e for e in found if e["kind"] == "rollback_unavailable"]
+    assert 50 <= unavailable["metrics"]["incident_step"] <= 56
+    assert any(e["kind"] == "lr_reduced" and e["step"] == unavailable["step"] for e in found)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 import trainguard as tg
-from trainguard.demo.scenarios import FAULTS, Fault, run_scenario
+from trainguard.demo import TinyGPT
+from trainguard.demo.scenarios import FAULTS, LR, Fault, planted, run_scenario, train
+from trainguard.detectors.base import Detector
+from trainguard.events import Event
 
 from helpers import corpus, read_jsonl
 
@@ -121,3 +125,98 @@ def test_the_lstm_family_recovers_too(clean_lstm, tmp_path, name):
         assert unguarded.eval_loss > 1.03 * clean_lstm.eval_loss
     else:  # the plain loop never recovers from a NaN or Inf update
         assert math.isnan(unguarded.eval_loss)
+
+
+def noisy_regression(run_dir, steps: int, planted_at: int | None = None):
+    """An MLP fitting noisy linear targets with batch ids; at `planted_at` a false alarm: a
+    ratio-only loss spike typed data toxicity, its follow-up confirming that type."""
+    torch.manual_seed(0)
+    x = torch.randn(4096, 8)
+    y = x @ torch.randn(8, 1) + 0.5 * torch.randn(4096, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = tg.Guard(model, opt, config=tg.GuardConfig(console=False), run_dir=run_dir)
+    if planted_at is not None:
+        weak = {"z_score": 1.3, "z_threshold": 10.0, "rule": "ratio"}
+        guard.detectors.detectors.append(
+            Planted(
+                {
+                    planted_at: ("loss_spike", "data_toxicity", weak),
+                    planted_at + 5: (
+                        "spike_classified",
+                        "data_toxicity",
+                        {"spike_step": planted_at},
+                    ),
+                }
+            )
+        )
+    for step in range(steps):
+        i = step % 256
+        loss = torch.nn.functional.mse_loss(
+            model(x[i * 16 : (i + 1) * 16]), y[i * 16 : (i + 1) * 16]
+        )
+        loss.backward()
+        guard.step(loss, batch_ids=[step])
+        opt.zero_grad()
+    guard.close()
+    return guard
+
+
+class Planted(Detector):
+    """A stub detector raising planted events once each: (kind, type, metrics) by step."""
+
+    name = "planted"
+
+    def __init__(self, planted: dict[int, tuple[str, str, dict]]) -> None:
+        self.planted = planted
+
+    def update(self, point):
+        if point.step not in self.planted:
+            return []
+        kind, type_, metrics = self.planted.pop(point.step)
+        return [Event(point.step, kind, "warning", f"planted {kind}", dict(metrics), type=type_)]
+
+
+def test_noisy_regression_with_batch_ids_quarantines_nothing_for_good(tmp_path):
+    guard = noisy_regression(tmp_path, 500, planted_at=300)
+    assert guard.action_counts["skip"] >= 1  # the planted false alarm was skipped
+    assert not (tmp_path / "quarantine.jsonl").exists()
+    assert guard.quarantine.records == [] and not guard.quarantine.suspects
+
+
+@pytest.fixture(scope="module")
+def short_clean():
+    """A 300-step run over exactly 300 batches, clean: the guard leaves it alone."""
+    return short_run(Fault())
+
+
+def short_run(fault: Fault, steps: int = 300):
+    data = corpus()
+    batches = planted(list(data.batches(16, 32, steps, seed=1)), fault, data)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    guard = tg.Guard(model, opt, config=tg.GuardConfig(console=False))
+    decisions = [s.decision for s in train(model, opt, batches, steps, fault, guard=guard)]
+    guard.close()
+    with torch.no_grad():
+        held = [float(model.loss(model(b.x), b.y)) for b in data.batches(32, 32, 8, seed=999)]
+    return guard, [e for d in decisions for e in d.events], sum(held) / len(held)
+
+
+def test_a_short_clean_run_is_left_alone(short_clean):
+    guard, found, _ = short_clean
+    assert guard.global_step == 300
+    assert guard.action_counts == {"step": 300, "skip": 0, "rollback": 0, "halt": 0}
+    assert guard.quarantine.records == [] and guard.recovery.snapshot_every == 15
+    assert not [e for e in found if e.kind in ("rollback", "data_skipped", "quarantine")]
+
+
+def test_a_short_run_rolls_back_an_lr_burst_and_skips_a_small_share_of_its_data(short_clean):
+    guard, found, held = short_run(Fault("LR x100 at 120", blowup=tuple(range(120, 125))))
+    rollbacks = [e for e in found if e.kind == "rollback"]
+    assert rollbacks and rollbacks[0].metrics["to_step"] <= 120
+    skipped = [e for e in found if e.kind == "data_skipped"]
+    assert skipped and sum(e.metrics["count"] for e in skipped) <= 1 + 0.02 * 180
+    assert guard.global_step >= 295  # the data held out to (nearly) the planned length
+    assert held == pytest.approx(short_clean[2], rel=0.03)

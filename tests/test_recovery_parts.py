@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -13,12 +14,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import trainguard as tg
 from trainguard.actions import OptimizerActions
-from trainguard.actions.data import GuardedBatches
+from trainguard.actions.data import GuardedBatches, sized_skip
+from trainguard.actions.quarantine import Quarantine
 from trainguard.actions.snapshots import SnapshotRing
 from trainguard.config import RecoveryConfig
 from trainguard.detectors import MetricPoint
+from trainguard.detectors.base import Detector
 from trainguard.events import Event
 from trainguard.policy import StepPolicy
+
+from helpers import read_jsonl
 
 
 def first_values(batches) -> list[int]:
@@ -174,10 +179,10 @@ def test_no_snapshot_means_no_rollback_yet():
     )
 
 
-def test_snapshots_skip_windows_with_incidents():
+def test_snapshots_stay_on_schedule_after_a_warning_and_never_land_inside_an_incident():
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    cfg = tg.GuardConfig(console=False, recovery=RecoveryConfig(snapshot_every=10))
+    cfg = tg.GuardConfig(console=False, recovery=RecoveryConfig(snapshot_every=10, snapshots=4))
     guard = tg.Guard(model, opt, config=cfg)
     x = torch.ones(3, 2)
     for step in range(40):
@@ -185,7 +190,187 @@ def test_snapshots_skip_windows_with_incidents():
         loss.backward()
         guard.step(loss)
         opt.zero_grad()
-    assert [s.step for s in guard.ring.snapshots] == [10, 20, 40]  # 30: its window held a spike
+    snapshots = guard.ring.snapshots
+    assert [s.step for s in snapshots] == [10, 20, 30, 40]  # 30 too, after the spike at 25
+    assert [s.last_warning for s in snapshots] == [None, None, 25, None]
+    ring = guard.ring
+    assert ring.target_for(45, 10).step == 30  # a snapshot after an earlier warning serves
+    assert ring.target_for(35, 10).step == 20  # the margin first
+    assert ring.target_for(15, 10).step == 10  # else the newest at or before the first step
+    assert ring.target_for(9, 0) is None  # never one inside the incident
+
+
+def spike(step: int, kind: str, type_: str, z: float = 50.0, spike_step: int | None = None):
+    metrics = {"z_score": z, "z_threshold": 10.0}
+    if spike_step is not None:
+        metrics = {"spike_step": spike_step}
+    return Event(
+        step=step, kind=kind, severity="warning", message=kind, type=type_, metrics=metrics
+    )
+
+
+def test_a_warning_alone_never_quarantines_its_follow_up_does_and_a_revision_releases():
+    policy = StepPolicy()
+    onset = policy.decide(MetricPoint(10, 9.0), [spike(10, "loss_spike", "data_toxicity")], True)
+    assert onset.action == "skip" and onset.suspect and not onset.quarantine
+    quiet = policy.decide(MetricPoint(11, 1.0), [], True)
+    assert quiet.quarantine_step is None and quiet.release_step is None
+    confirmed = policy.decide(
+        MetricPoint(15, 1.0), [spike(15, "spike_classified", "data_toxicity", spike_step=10)], True
+    )
+    assert confirmed.quarantine and confirmed.quarantine_step == 10
+    revised = policy.decide(
+        MetricPoint(30, 1.0), [spike(30, "spike_classified", "optimizer", spike_step=10)], True
+    )
+    assert revised.release_step == 10 and not revised.quarantine
+    # a suspect re-typed before any confirmation is released too (it was only skipped)
+    policy.decide(MetricPoint(40, 9.0), [spike(40, "loss_spike", "data_toxicity")], True)
+    explosion = policy.decide(
+        MetricPoint(45, 9.0),
+        [spike(45, "spike_classified", "gradient_explosion", spike_step=40)],
+        True,
+    )
+    assert explosion.action == "rollback" and explosion.release_step == 40
+    assert explosion.quarantine_step is None
+
+
+def test_a_spike_that_only_clears_a_ratio_is_skipped_but_never_held_for_quarantine():
+    policy = StepPolicy()
+    weak = policy.decide(
+        MetricPoint(10, 0.6), [spike(10, "loss_spike", "data_toxicity", z=1.3)], True
+    )
+    assert weak.action == "skip" and not weak.suspect
+    later = policy.decide(
+        MetricPoint(15, 0.3), [spike(15, "spike_classified", "data_toxicity", spike_step=10)], True
+    )
+    assert later.quarantine_step is None
+
+
+def test_a_confirmed_explosion_without_a_snapshot_before_it_cuts_the_lr_once():
+    policy = StepPolicy()
+    confirmed = spike(56, "spike_classified", "gradient_explosion", spike_step=51)
+    before_51 = {51: False}.get
+    decision = policy.decide(MetricPoint(56, 5.0), [confirmed], lambda s: before_51(s, True))
+    assert decision.action == "step" and decision.unrolled_incident == 51
+    assert decision.lr_factor == 0.5
+    again = policy.decide(MetricPoint(57, 5.0), [confirmed], lambda s: s != 51)
+    assert again.lr_factor is None  # one cut per incident
+    with_target = policy.decide(MetricPoint(58, 5.0), [confirmed], True)
+    assert with_target.action == "rollback" and with_target.rollback_to == 41
+
+
+def test_recovery_sizes_follow_the_run_length_unless_set():
+    assert RecoveryConfig().sized(300).snapshot_every == 15
+    assert RecoveryConfig().sized(70).snapshot_every == 10
+    assert RecoveryConfig().sized(300_000).snapshot_every == 50
+    assert RecoveryConfig().sized(None).snapshot_every == 50
+    assert RecoveryConfig(snapshot_every=7).sized(300_000).snapshot_every == 7
+
+
+def test_skips_are_a_small_share_of_what_is_left_and_never_past_the_end():
+    assert sized_skip(200, 180, 0.02) == 3
+    assert sized_skip(200, 20, 0.02) == 1  # at least one
+    assert sized_skip(200, 0, 0.02) == 0  # nothing left to skip
+    assert sized_skip(200, 299_000, 0.02) == 200  # the configured most
+    assert sized_skip(200, None, 0.02) == 200
+    assert GuardedBatches(list(range(30))).left_after(9) == 20
+    assert GuardedBatches(iter(range(30))).left_after(9) is None
+
+
+class PlantedEvents(Detector):
+    """A stub detector: the events planted at given steps, raised once each (a replayed step
+    after a rollback raises nothing)."""
+
+    name = "planted"
+
+    def __init__(self, planted: dict[int, list[Event]]) -> None:
+        self.planted = planted
+
+    def update(self, point: MetricPoint) -> list[Event]:
+        return [dataclasses.replace(e, step=point.step) for e in self.planted.pop(point.step, [])]
+
+
+def guarded_linear(run_dir, planted, **recovery):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg = tg.GuardConfig(console=False, recovery=RecoveryConfig(**recovery))
+    guard = tg.Guard(model, opt, config=cfg, run_dir=run_dir)
+    guard.detectors.detectors.append(PlantedEvents(planted))
+    data = [(torch.randn(8, 4), torch.randn(8, 1), [f"b{i}"]) for i in range(60)]
+    return model, opt, guard, data
+
+
+def train_linear(model, opt, guard, batches):
+    for x, y, ids in batches:
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.step(loss, batch_ids=ids)
+        opt.zero_grad()
+
+
+def test_a_planted_toxic_spike_is_quarantined_only_after_its_confirmation(tmp_path):
+    planted = {
+        20: [spike(0, "loss_spike", "data_toxicity")],
+        25: [spike(0, "spike_classified", "data_toxicity", spike_step=20)],
+        40: [spike(0, "spike_classified", "architecture", spike_step=20)],
+    }
+    model, opt, guard, data = guarded_linear(tmp_path, planted, enabled=False)
+    train_linear(model, opt, guard, data[:24])
+    assert guard.action_counts["skip"] == 1 and not (tmp_path / "quarantine.jsonl").exists()
+    assert guard.quarantine.suspects  # held, skipped, not written
+    train_linear(model, opt, guard, data[24:30])
+    (record,) = read_jsonl(tmp_path / "quarantine.jsonl")
+    assert record["step"] == 20 and record["confirmed_at"] == 25 and record["batch_ids"] == ["b20"]
+    assert guard.quarantine.contains(["b20"])
+    train_linear(model, opt, guard, data[30:])
+    guard.close()
+    records = read_jsonl(tmp_path / "quarantine.jsonl")
+    assert [r.get("action") for r in records] == [None, "release"]  # appended, never rewritten
+    assert not guard.quarantine.contains(["b20"])
+    found = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "quarantine"]
+    assert [(e["step"], e["metrics"]["released"]) for e in found] == [(25, False), (40, True)]
+    # a restarted run honours the release: the batch comes back
+    again = Quarantine(tmp_path / "quarantine.jsonl")
+    source = [[f"b{i}"] for i in range(25)]
+    assert len(list(GuardedBatches(source, ids=lambda b: b, quarantined=again.contains))) == 25
+
+
+def test_an_earlier_release_quarantine_file_still_quarantines(tmp_path):
+    path = tmp_path / "quarantine.jsonl"
+    path.write_text('{"step": 3, "reason": "loss spike", "loss": 9.0, "batch_ids": ["b3"]}\n')
+    assert Quarantine(path).contains(["b3"])
+
+
+def test_an_explosion_with_no_snapshot_before_it_says_so_and_cuts_the_lr(tmp_path):
+    planted = {
+        12: [spike(0, "loss_spike", "gradient_explosion")],
+        17: [spike(0, "spike_classified", "gradient_explosion", spike_step=12)],
+    }
+    model, opt, guard, data = guarded_linear(tmp_path, planted, snapshot_every=50)
+    train_linear(model, opt, guard, data[:30])
+    guard.close()
+    kinds = [(e["step"], e["kind"]) for e in read_jsonl(tmp_path / "events.jsonl")]
+    assert (12, "rollback_unavailable") in kinds and (12, "lr_reduced") in kinds
+    assert [k for _, k in kinds].count("lr_reduced") == 1  # the follow-up adds no second cut
+    assert guard.action_counts["rollback"] == 0
+    assert guard.actions.lr_scale == 0.5 and opt.param_groups[0]["lr"] == pytest.approx(0.005)
+
+
+def test_a_rollback_skips_a_share_of_the_data_left_and_the_end_of_the_data_is_an_event(tmp_path):
+    planted = {33: [spike(0, "loss_spike", "gradient_explosion")]}
+    model, opt, guard, data = guarded_linear(tmp_path, planted, snapshot_every=10)
+    source = guard.batches(data, ids=lambda b: b[2])
+    train_linear(model, opt, guard, source)
+    guard.close()
+    found = read_jsonl(tmp_path / "events.jsonl")
+    (rollback,) = [e for e in found if e["kind"] == "rollback"]
+    (skipped,) = [e for e in found if e["kind"] == "data_skipped"]
+    assert rollback["metrics"]["to_step"] == 20
+    assert skipped["metrics"]["first"] == 33 and skipped["metrics"]["count"] == 2  # 1 + 1
+    assert skipped["metrics"]["left"] == 26 and "not 200" in skipped["message"]
+    (ended,) = [e for e in found if e["kind"] == "data_exhausted"]
+    assert ended["metrics"]["skipped"] == 2 and ended["step"] == 58  # 60 batches, 2 skipped
 
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")

@@ -296,19 +296,40 @@ class RoutingConfig(_Section):
 
 
 class RecoveryConfig(_Section):
-    """Known-good snapshots and rollback: how far back, how much LR, how much data to skip."""
+    """Snapshots and rollback: how far back, how much LR, how much data to skip. Sizes that
+    depend on the run's length are sized to it: from `diagnosis.total_steps` when given, else
+    from `len()` of the data given to `guard.batches`, else the defaults below."""
 
     enabled: bool = Field(True, description="Take snapshots and roll back; off means skip only.")
-    snapshot_every: int = Field(50, ge=1, description="Steps between in-memory snapshots.")
+    snapshot_every: int | None = Field(
+        None,
+        ge=1,
+        description="Steps between in-memory snapshots; None sizes it to the run: 1/20 of the "
+        "planned steps, between 10 and 50 (50 when the length is unknown).",
+    )
     snapshots: int = Field(3, ge=1, description="Snapshots kept in the ring.")
     rollback_margin: int = Field(
-        10, ge=0, description="A rollback target lies at least this many steps before the incident."
+        10,
+        ge=0,
+        description="A rollback target lies this many steps before the incident where a snapshot "
+        "that old is kept; else the newest one at or before the incident's first step is used.",
     )
     skip_after_toxicity: int = Field(
         0, ge=0, description="Batches skipped after the incident batch for data toxicity."
     )
     skip_after_explosion: int = Field(
-        200, ge=0, description="Batches skipped after the incident batch for other incidents."
+        200,
+        ge=0,
+        description="Batches skipped after the incident batch for other incidents, at most: "
+        "never more than `skip_share` of the batches left.",
+    )
+    skip_share: float = Field(
+        0.02,
+        gt=0,
+        le=1,
+        description="A rollback skips at most this share of the batches left in the data (at "
+        "least 1; never past its end): of len(data) when known, else of the planned steps "
+        "left, else of the steps made so far.",
     )
     rewarm_steps: int = Field(
         0, ge=0, description="Steps over which a cut LR climbs back to the schedule; 0 keeps it."
@@ -329,6 +350,14 @@ class RecoveryConfig(_Section):
     async_checkpoints: bool = Field(
         True, description="Write checkpoints in the background; training blocks only to stage."
     )
+
+    def sized(self, planned_steps: int | None) -> RecoveryConfig:
+        """A copy with the sizes left to the run (None) filled in for a run of `planned_steps`
+        (None: unknown length)."""
+        every = self.snapshot_every
+        if every is None:
+            every = 50 if planned_steps is None else min(50, max(10, planned_steps // 20))
+        return self.model_copy(update={"snapshot_every": every})
 
 
 class DiagnosisConfig(_Section):
@@ -357,7 +386,10 @@ class DiagnosisConfig(_Section):
     )
     lint: bool = Field(True, description="Lint the set-up once at the start (info events).")
     total_steps: int | None = Field(
-        None, ge=1, description="Planned optimizer steps, for the lint's warmup check."
+        None,
+        ge=1,
+        description="Planned optimizer steps: the lint's warmup check, the progress bar, and the "
+        "recovery sizes (snapshot interval, data skips) of a run of this length.",
     )
     autocast_dtype: Literal["float16", "bfloat16"] | None = Field(
         None, description="'float16' or 'bfloat16' when the forward runs under autocast."
@@ -377,6 +409,12 @@ class PolicyConfig(_Section):
     )
     max_consecutive_nonfinite: int = Field(
         5, ge=1, description="Non-finite steps in a row that halt the run."
+    )
+    quarantine: bool = Field(
+        True,
+        description="Quarantine a batch for good (quarantine.jsonl) when its spike cleared the "
+        "noise (z over its threshold) and the spike's follow-up confirmed data toxicity; until "
+        "then it is only skipped, and a later revision of the type releases it. Off: skip only.",
     )
 
     @field_validator("skip_on", "halt_on")

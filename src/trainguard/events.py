@@ -32,6 +32,10 @@ EVENT_KINDS: tuple[str, ...] = (
     "lint",
     "rollback",
     "lr_reduced",
+    "rollback_unavailable",
+    "data_skipped",
+    "data_exhausted",
+    "quarantine",
     "checkpoint",
     "resume",
     "halt",
@@ -107,7 +111,15 @@ class Decision:
     incident_step: int | None = None  # the step whose data fed the incident
     skip_after: int = 0  # batches skipped after the incident batch
     lr_factor: float | None = None  # multiply the LR by this
-    quarantine: bool = False  # the batch of `incident_step` is toxic for good
+    suspect: bool = False  # this step's batch is skipped as toxic until its spike's follow-up
+    quarantine_step: int | None = None  # the follow-up confirmed this step's batch: quarantine
+    release_step: int | None = None  # this step's spike was re-typed: its batch is released
+    unrolled_incident: int | None = None  # no snapshot before this incident: LR cut instead
+
+    @property
+    def quarantine(self) -> bool:
+        """Whether a batch is quarantined for good at this step (`quarantine_step`'s)."""
+        return self.quarantine_step is not None
 
     @property
     def skipped(self) -> bool:

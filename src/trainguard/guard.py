@@ -24,7 +24,7 @@ from trainguard.actions.checkpoints import (
     sharded_training_state,
     training_state,
 )
-from trainguard.actions.data import GuardedBatches, default_batch_ids
+from trainguard.actions.data import GuardedBatches, default_batch_ids, sized_skip
 from trainguard.actions.quarantine import Quarantine
 from trainguard.actions.snapshots import SnapshotRing, rng_state, set_rng_state
 from trainguard.config import GuardConfig
@@ -86,7 +86,9 @@ class Guard:
         self.model = model
         self.optimizer = optimizer
         self.detectors = DetectorSuite(self.config)
-        self.policy = StepPolicy(self.config.policy, self.config.recovery)
+        # the recovery sizes for this run's length (diagnosis.total_steps; len() of the data)
+        self.recovery = self.config.recovery.sized(self.config.diagnosis.total_steps)
+        self.policy = StepPolicy(self.config.policy, self.recovery)
         self.stats: GradientStats | None = None
         self.actions: OptimizerActions | None = None
         if optimizer is not None:
@@ -208,13 +210,12 @@ class Guard:
             point.routing = routing.to_point()
         if self.exchange is not None:
             _add_rank_figures(point, signals.extra, self.exchange.context.world_size)
-        decision = self._decide(point, batch_ids, can_roll_back=bool(self.ring.snapshots))
+        decision = self._decide(point, batch_ids, can_roll_back=self._has_target)
         if per_sample_losses is not None and any(e.kind == "loss_spike" for e in decision.events):
             blamed = self._blame(decision, per_sample_losses, sample_ids or batch_ids, sample_text)
             if blamed:
                 sample_ids = blamed
-        if decision.quarantine:
-            self._quarantine(decision, signals.loss, batch_ids, sample_ids)
+        self._quarantine(decision, signals.loss, batch_ids, sample_ids)
         self.global_step += 1
         if decision.action == "step":
             self.stats.before_optimizer_step(step)
@@ -231,6 +232,8 @@ class Guard:
         else:
             self.stats.discard_update()
             self.actions.skip()
+            if decision.lr_factor is not None and decision.action == "skip":
+                self._cut_lr(decision)
         if self.checkpoints is not None and self.checkpoints.errors:  # a background write failed
             for error in self._checkpoint_errors():
                 self._warn(error)
@@ -250,8 +253,13 @@ class Guard:
         ids: Callable[[Any], list[Any] | None] = default_batch_ids,
     ) -> GuardedBatches:
         """Wrap the data so a rollback rewinds it and skips the batches that fed the incident,
-        and quarantined batches never come back; `ids(batch)` names a batch's samples."""
-        self._batches = GuardedBatches(source, ids, self.quarantine.contains)
+        and quarantined batches never come back; `ids(batch)` names a batch's samples. A source
+        with a `len()` sizes the recovery when `diagnosis.total_steps` is not set."""
+        self._batches = GuardedBatches(source, ids, self.quarantine.contains, self._data_ended)
+        length = self._batches.length
+        if self.config.diagnosis.total_steps is None and length is not None and length > 0:
+            self.recovery = self.config.recovery.sized(length)  # at least one pass of the data
+            self.policy.recovery = self.recovery
         if self._resume_data is not None:
             self._batches.resume(self._resume_data)
             self._resume_data = None
@@ -447,12 +455,11 @@ class Guard:
             del self._positions[next(iter(self._positions))]
 
     def _maybe_snapshot(self) -> None:
-        """After a step: keep a known-good state every `snapshot_every` steps of a healthy run."""
-        rec = self.config.recovery
+        """After a step: keep a snapshot every `snapshot_every` steps, on schedule whatever was
+        raised before; whether it serves an incident is judged when one comes (`_has_target`)."""
+        rec = self.recovery
         step = self.global_step  # the next step: the snapshot is the state at its start
-        if not rec.enabled or self.model is None or step % rec.snapshot_every:
-            return
-        if not self._healthy_window(step):
+        if not rec.enabled or self.model is None or step % (rec.snapshot_every or 1):
             return
         assert self.optimizer is not None and self.actions is not None
         guard_state = {
@@ -460,20 +467,36 @@ class Guard:
             "schedule_lrs": self.actions.schedule_lrs(),
         }
         position = self._batches.state() if self._batches is not None else None
+        last_warning = None if self._healthy_window(step) else self._last_incident
         self.ring.take(
-            step, self.model, self.optimizer, self.scheduler, self.scaler, guard_state, position
+            step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            guard_state,
+            position,
+            last_warning,
         )
 
     def _healthy_window(self, step: int) -> bool:
         """No warning or worse, and no skip or rollback, in the `snapshot_every` steps before."""
-        return step - self._last_incident > self.config.recovery.snapshot_every
+        return step - self._last_incident > (self.recovery.snapshot_every or 1)
+
+    def _has_target(self, incident: int) -> bool:
+        """Whether a snapshot lies at or before the first step of an incident (for the policy)."""
+        rec = self.recovery
+        return rec.enabled and self.ring.target_for(incident, rec.rollback_margin) is not None
 
     def _roll_back(self, decision: Decision) -> None:
-        """Restore the newest known-good snapshot at or before the decision's target."""
+        """Restore the snapshot the ring holds for the incident (never one inside it), and skip
+        the incident batch and a share of the data sized to what is left."""
         assert self.model is not None and self.optimizer is not None and self.actions is not None
         assert decision.rollback_to is not None
-        snapshot = self.ring.newest_at_or_before(decision.rollback_to)
-        assert snapshot is not None  # the policy rolls back only when a snapshot exists
+        incident = decision.incident_step
+        start = incident if incident is not None else decision.rollback_to
+        snapshot = self.ring.target_for(start, start - decision.rollback_to)
+        assert snapshot is not None  # the policy rolls back only when a target exists
         from_step = decision.step
         self._protect_last_good()
         SnapshotRing.restore(snapshot, self.model, self.optimizer, self.scheduler, self.scaler)
@@ -482,29 +505,36 @@ class Guard:
         factor = decision.lr_factor or 1.0
         self.actions.cut_lr(factor)
         self.ring.drop_after(snapshot.step)
+        self.policy.forget_after(snapshot.step)
+        self.quarantine.forget_after(snapshot.step)
         self.global_step = snapshot.step
         self._last_incident = snapshot.step
         skipped: tuple[int, int] | None = None
+        skip_event: Event | None = None
         if self._batches is not None and snapshot.data_position is not None:
-            incident = decision.incident_step
             position = self._positions.get(incident) if incident is not None else None
             if position is not None:
-                skipped = (position, position + 1 + decision.skip_after)
+                skipped, skip_event = self._skip_after(decision, position)
             self._batches.rewind(snapshot.data_position, skipped)
         note = (
             f"; skipping batches {skipped[0]}..{skipped[1] - 1}"
             if skipped
             else "; no data to skip (iterate with guard.batches(loader) to skip it)"
         )
-        if snapshot.step > (decision.rollback_to or 0):
-            note += "; no snapshot was old enough, so the oldest kept was used"
+        if snapshot.step > decision.rollback_to:
+            note += (
+                f"; no snapshot {start - decision.rollback_to} steps before the incident was "
+                f"kept, so the newest at or before its first step ({start}) was used"
+            )
+        if snapshot.last_warning is not None:
+            note += f" (taken after a warning at step {snapshot.last_warning}, judged since)"
         event = Event(
             step=from_step,
             kind="rollback",
             severity="warning",
             message=(
-                f"rolled back from step {from_step} to the known-good state at step "
-                f"{snapshot.step} ({decision.reason}); LR x{factor:.3g}, now "
+                f"rolled back from step {from_step} to the state at step {snapshot.step}, "
+                f"before the incident ({decision.reason}); LR x{factor:.3g}, now "
                 f"x{self.actions.lr_scale:.3g} of the schedule{note}"
             ),
             metrics={
@@ -514,25 +544,112 @@ class Guard:
                 "lr_factor": factor,
                 "lr_scale": self.actions.lr_scale,
                 "skipped_batches": list(skipped) if skipped else None,
+                "snapshot_after_warning": snapshot.last_warning,
             },
             action="rollback",
         )
         decision.events.append(event)
         self._emit(event)
+        if skip_event is not None:
+            decision.events.append(skip_event)
+            self._emit(skip_event)
+
+    def _skip_after(self, decision: Decision, position: int) -> tuple[tuple[int, int], Event]:
+        """The positions a rollback skips, the incident batch and a share of what is left (never
+        past the end), and the `data_skipped` event that says so."""
+        assert self._batches is not None
+        rec = self.recovery
+        left = self._batches.left_after(position)
+        basis = "batches left in the data"
+        total = self.config.diagnosis.total_steps
+        if left is None and total is not None:
+            left, basis = max(0, total - decision.step - 1), "planned steps left"
+        elif left is None:
+            left, basis = max(1, decision.step), "steps made so far (the data has no length)"
+        more = sized_skip(decision.skip_after, left, rec.skip_share)
+        skipped = (position, position + 1 + more)
+        capped = more < decision.skip_after
+        message = (
+            f"skipping {more + 1} batches ({position}..{position + more}): the one that fed the "
+            f"incident at step {decision.incident_step} and {more} after it"
+        )
+        if capped:
+            message += (
+                f", not {decision.skip_after}: at most {rec.skip_share:.0%} of the {left} {basis}"
+            )
+        event = Event(
+            step=decision.step,
+            kind="data_skipped",
+            severity="info",
+            message=message,
+            metrics={
+                "first": position,
+                "last": position + more,
+                "count": more + 1,
+                "wanted": decision.skip_after + 1,
+                "left": left,
+                "basis": basis,
+                "share": rec.skip_share,
+            },
+            action="rollback",
+        )
+        return skipped, event
+
+    def _data_ended(self, batches: GuardedBatches) -> None:
+        """The data source ran out: one event with what the guard passed over in this pass."""
+        total = self.config.diagnosis.total_steps
+        short = total is not None and self.global_step < total
+        passed = batches.skipped + batches.held_out
+        message = (
+            f"the data ran out at step {self.global_step} after {batches.position} batches; "
+            f"the guard passed over {batches.skipped} skipped by rollbacks and "
+            f"{batches.held_out} quarantined"
+        )
+        if short:
+            message += f"; the run planned {total} steps"
+        self._emit(
+            Event(
+                step=self.global_step,
+                kind="data_exhausted",
+                severity="warning" if short and passed else "info",
+                message=message,
+                metrics={
+                    "batches": batches.position,
+                    "skipped": batches.skipped,
+                    "quarantined": batches.held_out,
+                    "planned_steps": total,
+                },
+            )
+        )
 
     def _cut_lr(self, decision: Decision) -> None:
         assert self.actions is not None and decision.lr_factor is not None
         self.actions.cut_lr(decision.lr_factor)
+        if decision.unrolled_incident is not None:
+            unavailable = Event(
+                step=decision.step,
+                kind="rollback_unavailable",
+                severity="warning",
+                message=(
+                    f"no snapshot at or before step {decision.unrolled_incident}, where the "
+                    f"incident began, to roll back to ({decision.reason or 'see the events'}); "
+                    f"the LR is cut x{decision.lr_factor:.3g} instead"
+                ),
+                metrics={"incident_step": decision.unrolled_incident},
+                action=decision.action,
+            )
+            decision.events.append(unavailable)
+            self._emit(unavailable)
         event = Event(
             step=decision.step,
             kind="lr_reduced",
             severity="warning",
             message=(
-                f"LR x{decision.lr_factor:.3g} ({decision.reason}); now "
+                f"LR x{decision.lr_factor:.3g} ({decision.reason or 'no rollback target'}); now "
                 f"x{self.actions.lr_scale:.3g} of the schedule"
             ),
             metrics={"lr_factor": decision.lr_factor, "lr_scale": self.actions.lr_scale},
-            action="step",
+            action=decision.action,
         )
         decision.events.append(event)
         self._emit(event)
@@ -544,16 +661,55 @@ class Guard:
         batch_ids: Iterable[Any] | None,
         sample_ids: Iterable[Any] | None,
     ) -> None:
-        ids = list(batch_ids) if batch_ids is not None else None
-        if ids is None and self._batches is not None:
-            ids = self._batches.current_ids
-        self.quarantine.add(
-            decision.step,
-            decision.reason,
-            loss,
-            [_plain(i) for i in ids] if ids else None,
-            [_plain(i) for i in sample_ids] if sample_ids is not None else None,
+        """Hold this step's batch as a suspect, quarantine a suspect its spike's follow-up
+        confirmed, or release one whose spike was re-typed; each for good is an event."""
+        if decision.suspect:
+            ids = list(batch_ids) if batch_ids is not None else None
+            if ids is None and self._batches is not None:
+                ids = self._batches.current_ids
+            self.quarantine.suspect(
+                decision.step,
+                decision.reason,
+                loss,
+                [_plain(i) for i in ids] if ids else None,
+                [_plain(i) for i in sample_ids] if sample_ids is not None else None,
+            )
+        if decision.quarantine_step is not None:
+            spike = decision.quarantine_step
+            record = self.quarantine.confirm(
+                spike, decision.step, "its follow-up confirmed data toxicity"
+            )
+            if record is not None:
+                self._quarantine_event(decision, spike, record, released=False)
+        if decision.release_step is not None:
+            spike = decision.release_step
+            record = self.quarantine.release(
+                spike, decision.step, "its spike was re-typed: not data toxicity"
+            )
+            if record is not None:
+                self._quarantine_event(decision, spike, record, released=True)
+
+    def _quarantine_event(
+        self, decision: Decision, spike: int, record: dict[str, Any], released: bool
+    ) -> None:
+        ids = record.get("sample_ids") or record.get("batch_ids") or []
+        what = "samples" if record.get("sample_ids") else "batch"
+        message = (
+            f"released the {what} of step {spike} from the quarantine: its spike was re-typed"
+            if released
+            else f"quarantined the {what} of step {spike} for good: its spike's follow-up "
+            "confirmed data toxicity"
         )
+        event = Event(
+            step=decision.step,
+            kind="quarantine",
+            severity="info",
+            message=message,
+            metrics={"spike_step": spike, "released": released, "ids": ids[:MAX_BATCH_IDS]},
+            action=decision.action,
+        )
+        decision.events.append(event)
+        self._emit(event)
 
     def observe(
         self,
@@ -622,7 +778,10 @@ class Guard:
 
     # -- internals ----------------------------------------------------------------------------
     def _decide(
-        self, point: MetricPoint, batch_ids: Iterable[Any] | None, can_roll_back: bool = False
+        self,
+        point: MetricPoint,
+        batch_ids: Iterable[Any] | None,
+        can_roll_back: bool | Callable[[int], bool] = False,
     ) -> Decision:
         events = self.detectors.update(point)
         self._name_ranks(events)
@@ -952,6 +1111,7 @@ class Guard:
             "last_incident": self._last_incident,
             "positions": [[k, v] for k, v in self._positions.items()],
             "action_counts": dict(self.action_counts),
+            "quarantine_suspects": self.quarantine.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -963,6 +1123,7 @@ class Guard:
             self.actions.load_state_dict(state["actions"])
         self._last_incident, self._positions, counts = self._counters(state)
         self.action_counts.update(counts)
+        self.quarantine.load_state_dict(state.get("quarantine_suspects", []))
 
     def _counters(self, state: dict[str, Any]) -> tuple[int, dict[int, int], dict[str, int]]:
         """The last incident, the data positions and the action counts of a guard state."""

@@ -18,6 +18,14 @@ from trainguard.events import TrainguardError
 _END = object()
 
 
+def sized_skip(wanted: int, left: int | None, share: float) -> int:
+    """Batches to skip after an incident batch: `wanted`, but at most `share` of the `left`
+    batches (at least 1) and never more than are left; `wanted` when `left` is unknown."""
+    if left is None:
+        return wanted
+    return max(0, min(wanted, max(1, int(share * left)), left))
+
+
 def default_batch_ids(batch: Any) -> list[Any] | None:
     """`batch.ids`, or `batch["ids"]` / `batch["batch_ids"]` for a mapping; None when absent."""
     ids = getattr(batch, "ids", None)
@@ -37,6 +45,8 @@ class GuardedBatches:
     A source with `state_dict`/`load_state_dict` (torchdata's `StatefulDataLoader`) is rewound
     from its state; any other re-iterable source (a `DataLoader`, a list) is iterated again with the
     random state it started with, so it repeats its order, and fast-forwarded by position.
+    `length` is `len(source)` when it has one (what a rollback may skip is sized to it);
+    `on_end` is told when the source runs out.
     """
 
     def __init__(
@@ -44,10 +54,15 @@ class GuardedBatches:
         source: Iterable[Any],
         ids: Callable[[Any], list[Any] | None] = default_batch_ids,
         quarantined: Callable[[list[Any]], bool] = lambda ids: False,
+        on_end: Callable[[GuardedBatches], None] | None = None,
     ) -> None:
         self.source = source
         self.ids = ids
         self.quarantined = quarantined
+        self.on_end = on_end  # told when the source runs out
+        self.length = _length(source)  # batches in one pass, when the source says
+        self.skipped = 0  # positions passed over in this pass: a rollback's skip
+        self.held_out = 0  # batches passed over in this pass: quarantined
         self.stateful = hasattr(source, "state_dict") and hasattr(source, "load_state_dict")
         self.one_shot = isinstance(source, Iterator) and not self.stateful
         self.position = 0  # batches drawn from the source so far in this pass
@@ -77,6 +92,10 @@ class GuardedBatches:
             self._start_rng = rng_from_plain(state["start_rng"])
         self._resume = state
 
+    def left_after(self, position: int) -> int | None:
+        """Batches the source still holds after `position`; None for a source without a length."""
+        return None if self.length is None else max(0, self.length - position - 1)
+
     def rewind(self, state: dict[str, Any], skip: tuple[int, int] | None) -> None:
         """Continue from `state` at the next batch drawn, never handing out positions in `skip`."""
         if skip is not None and skip[1] > skip[0]:
@@ -99,14 +118,18 @@ class GuardedBatches:
             try:
                 batch = next(self._iterator)
             except StopIteration:
+                if self.on_end is not None:
+                    self.on_end(self)
                 return
             waited += time.perf_counter() - asked
             position = self.position
             self.position += 1
             if any(a <= position < b for a, b in self.skip):
+                self.skipped += 1
                 continue
             ids = self.ids(batch)
             if ids is not None and self.quarantined(ids):
+                self.held_out += 1
                 continue
             self.current, self.current_ids = position, ids
             self.data_wait, self.ready_at = waited, time.perf_counter()
@@ -119,6 +142,7 @@ class GuardedBatches:
             self._start_rng = rng_state()
             self._iterator = iter(self.source)
             self.position = 0
+            self.skipped = self.held_out = 0
             return
         if self.stateful:
             self.source.load_state_dict(state["source"])  # type: ignore[attr-defined]
@@ -145,3 +169,11 @@ class GuardedBatches:
             except StopIteration:
                 break
         self.position = target
+
+
+def _length(source: Iterable[Any]) -> int | None:
+    """`len(source)` when it has one that works (a DataLoader of an iterable dataset raises)."""
+    try:
+        return len(source)  # type: ignore[arg-type]
+    except (TypeError, NotImplementedError, ValueError):
+        return None

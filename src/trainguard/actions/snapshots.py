@@ -26,6 +26,7 @@ class Snapshot:
     guard: dict[str, Any]
     data_position: Any = None
     nbytes: int = field(default=0)
+    last_warning: int | None = None  # the last warning (or skip, rollback) before it was taken
 
 
 def _to_host(obj: Any, pinned: bool) -> Any:
@@ -121,6 +122,7 @@ class SnapshotRing:
         scaler: Any,
         guard_state: dict[str, Any],
         data_position: Any,
+        last_warning: int | None = None,
     ) -> Snapshot:
         pinned = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
         snapshot = Snapshot(
@@ -132,10 +134,23 @@ class SnapshotRing:
             rng=rng_state(),
             guard=copy.deepcopy(guard_state),
             data_position=copy.deepcopy(data_position),
+            last_warning=last_warning,
         )
         snapshot.nbytes = _nbytes(snapshot.model) + _nbytes(snapshot.optimizer)
         self.snapshots.append(snapshot)
         return snapshot
+
+    def target_for(self, incident: int, margin: int) -> Snapshot | None:
+        """The rollback target for an incident whose first step is `incident`: the newest
+        snapshot at least `margin` steps before it, else the newest at or before that step (the
+        state before its first update); None when every snapshot is younger, so that a rollback
+        never lands inside the incident. A snapshot taken after an earlier warning serves: that
+        warning was judged by its own follow-up."""
+        for limit in (incident - margin, incident):
+            candidates = [s for s in self.snapshots if s.step <= limit]
+            if candidates:
+                return candidates[-1]
+        return None
 
     def newest_at_or_before(self, step: int) -> Snapshot | None:
         """The newest snapshot taken at or before `step`, or the oldest one when none is."""

@@ -23,7 +23,8 @@ class TrainguardCallback(TrainerCallback):
     Clipping: with `take_over_clipping` (the default) the guard clips at the Trainer's
     `max_grad_norm` and the Trainer's own clipping is turned off, so the guard sees the
     gradient norm before clipping; otherwise the Trainer clips first and the guard only
-    watches the clipped norm."""
+    watches the clipped norm. The Trainer's planned steps (`max_steps`) size the recovery
+    (snapshot interval) unless `diagnosis.total_steps` is set."""
 
     def __init__(
         self,
@@ -56,6 +57,10 @@ class TrainguardCallback(TrainerCallback):
             norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
             config = config.model_copy(update={"max_grad_norm": norm})
             args.max_grad_norm = 0.0  # the guard clips, after measuring
+        planned = state.max_steps if state.max_steps and state.max_steps > 0 else None
+        if config.diagnosis.total_steps is None and planned is not None:  # sizes the recovery
+            diagnosis = config.diagnosis.model_copy(update={"total_steps": int(planned)})
+            config = config.model_copy(update={"diagnosis": diagnosis})
         run_dir = (
             self.run_dir if self.run_dir is not None else Path(args.output_dir or ".", "trainguard")
         )

@@ -19,7 +19,8 @@ class TrainguardCallback(pl.Callback):
     policy state is saved in Lightning checkpoints and restored on resume. With
     `take_over_clipping` the guard clips at the Trainer's `gradient_clip_val` (norm clipping)
     after measuring, and Lightning's clipping is turned off. A halt stops the fit; the
-    diagnosis is in `halted`."""
+    diagnosis is in `halted`. The fit's planned steps (`max_steps`, or the estimated stepping
+    batches) size the recovery unless `diagnosis.total_steps` is set."""
 
     def __init__(
         self,
@@ -44,6 +45,10 @@ class TrainguardCallback(pl.Callback):
             clip = trainer.gradient_clip_val
             config = config.model_copy(update={"max_grad_norm": float(clip) if clip else None})
             trainer.gradient_clip_val = None
+        planned = _planned_steps(trainer)
+        if config.diagnosis.total_steps is None and planned is not None:  # sizes the recovery
+            diagnosis = config.diagnosis.model_copy(update={"total_steps": planned})
+            config = config.model_copy(update={"diagnosis": diagnosis})
         run_dir = self.run_dir if self.run_dir is not None else Path(trainer.default_root_dir)
         Path(run_dir, "trainguard").mkdir(parents=True, exist_ok=True)
         if self.guard is not None:  # a fit that ended in an error left it open
@@ -89,3 +94,14 @@ class TrainguardCallback(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard is not None and self.halted is None:
             self.guard.close()
+
+
+def _planned_steps(trainer: pl.Trainer) -> int | None:
+    """The optimizer steps the fit plans, when Lightning knows them (finite and positive)."""
+    if trainer.max_steps is not None and trainer.max_steps > 0:
+        return int(trainer.max_steps)
+    try:
+        estimated = float(trainer.estimated_stepping_batches)
+    except Exception:  # an iterable without a length, or a fit not yet set up
+        return None
+    return int(estimated) if estimated != float("inf") and estimated > 0 else None

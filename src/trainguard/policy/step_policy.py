@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from trainguard.config import PolicyConfig, RecoveryConfig
@@ -11,6 +12,18 @@ from trainguard.events import Action, Decision, Event
 
 SAME_REGION = 2  # rollbacks to targets this many snapshot intervals apart hit the same region
 MAX_WIDENING = 3  # the skip doubles with each repeat in a region, up to 2**3 times
+HELD_STEPS = 256  # suspect and quarantined steps remembered, to confirm or release them
+
+TargetCheck = Callable[[int], bool]  # whether a rollback target exists for an incident at step s
+
+
+def clears_noise(event: Event) -> bool:
+    """Whether a loss spike's jump cleared the noise (z over its threshold), not a ratio alone;
+    True for an event that does not say."""
+    z, threshold = event.metrics.get("z_score"), event.metrics.get("z_threshold")
+    if not isinstance(z, (int, float)) or not isinstance(threshold, (int, float)):
+        return True
+    return bool(z >= threshold)  # a NaN z clears nothing
 
 
 class StepPolicy:
@@ -20,7 +33,7 @@ class StepPolicy:
         self, config: PolicyConfig | None = None, recovery: RecoveryConfig | None = None
     ) -> None:
         self.config = config or PolicyConfig()
-        self.recovery = recovery or RecoveryConfig()
+        self.recovery = (recovery or RecoveryConfig()).sized(None)  # the Guard sizes it to a run
         self.consecutive_skips = 0
         self.consecutive_nonfinite = 0
         self.nonfinite_steps: deque[int] = deque(maxlen=self.recovery.nonfinite_rollback)
@@ -29,10 +42,63 @@ class StepPolicy:
         self.architecture_rollbacks = 0
         self.last_target: int | None = None
         self.region_repeats = 0
+        self.suspects: deque[int] = deque(maxlen=HELD_STEPS)  # skipped, awaiting the follow-up
+        self.quarantined: deque[int] = deque(maxlen=HELD_STEPS)  # confirmed by the follow-up
+        self.unrolled: int | None = None  # the last incident with no rollback target: LR cut
+        self._no_target: int | None = None  # this step's incident without a target
 
     def decide(
-        self, point: MetricPoint, events: list[Event], can_roll_back: bool = False
+        self,
+        point: MetricPoint,
+        events: list[Event],
+        can_roll_back: bool | TargetCheck = False,
     ) -> Decision:
+        """The action for this step. `can_roll_back` says whether a rollback target exists, for
+        every incident (a bool) or for an incident whose first step is given (a callable)."""
+        self._no_target = None
+        has_target: TargetCheck = (
+            can_roll_back if callable(can_roll_back) else (lambda _: bool(can_roll_back))
+        )
+        decision = self._choose(point, events, has_target)
+        self._judge_suspects(decision, events)
+        incident = self._no_target
+        if (
+            incident is not None
+            and decision.action in ("step", "skip")
+            and incident != self.unrolled
+            and decision.lr_factor is None
+        ):  # one LR cut per incident that has no rollback target
+            self.unrolled = incident
+            decision.unrolled_incident = incident
+            decision.lr_factor = self._next_lr_factor()
+        return decision
+
+    def forget_after(self, step: int) -> None:
+        """A rollback to `step` undid the later steps: their suspects get no follow-up."""
+        kept = [s for s in self.suspects if s < step]
+        self.suspects.clear()
+        self.suspects.extend(kept)
+
+    def _judge_suspects(self, decision: Decision, events: list[Event]) -> None:
+        """A suspect batch whose spike's follow-up confirms data toxicity is quarantined; one
+        whose spike is re-typed (now or after a confirmation) is released."""
+        for e in events:
+            if e.kind != "spike_classified":
+                continue
+            spike = int(e.metrics.get("spike_step", e.step))
+            if e.type == "data_toxicity" and spike in self.suspects:
+                self.suspects.remove(spike)
+                self.quarantined.append(spike)
+                decision.quarantine_step = spike
+            elif e.type != "data_toxicity" and (
+                spike in self.suspects or spike in self.quarantined
+            ):
+                for held in (self.suspects, self.quarantined):
+                    if spike in held:
+                        held.remove(spike)
+                decision.release_step = spike
+
+    def _choose(self, point: MetricPoint, events: list[Event], has_target: TargetCheck) -> Decision:
         cfg, rec = self.config, self.recovery
         kinds = {e.kind for e in events}
         step = point.step
@@ -48,15 +114,17 @@ class StepPolicy:
             self.consecutive_nonfinite += 1
             self.nonfinite_steps.append(step)
             recent = [s for s in self.nonfinite_steps if step - s < rec.nonfinite_window]
-            if can_roll_back and rec.enabled and len(recent) >= rec.nonfinite_rollback:
+            if rec.enabled and len(recent) >= rec.nonfinite_rollback and has_target(recent[0]):
                 self.nonfinite_steps.clear()
-                return self._rollback(
+                rollback = self._rollback(
                     point,
                     events,
                     recent[0],
                     f"{len(recent)} non-finite steps within {rec.nonfinite_window}",
                     explosion=True,
                 )
+                if rollback is not None:
+                    return rollback
             if self.consecutive_nonfinite >= cfg.max_consecutive_nonfinite:
                 return self._halt(
                     point,
@@ -70,8 +138,8 @@ class StepPolicy:
         self.consecutive_nonfinite = 0
         if point.overflow:
             return self._decide(point, events, "skip", "fp16 overflow: the scaler skipped it")
-        if rec.enabled and can_roll_back:
-            decision = self._recovery(point, events)
+        if rec.enabled:
+            decision = self._recovery(point, events, has_target)
             if decision is not None:
                 return decision
         if rec.enabled and "oscillation" in kinds:
@@ -84,10 +152,12 @@ class StepPolicy:
                 self.consecutive_skips += 1
                 reasons = ", ".join(sorted({e.kind for e in skipping}))
                 decision = self._decide(point, events, "skip", f"skipped for {reasons}")
-                toxic = any(e.kind == "loss_spike" and e.type == "data_toxicity" for e in skipping)
-                if toxic:
-                    decision.quarantine = True
-                    decision.incident_step = step
+                decision.suspect = cfg.quarantine and any(
+                    e.kind == "loss_spike" and e.type == "data_toxicity" and clears_noise(e)
+                    for e in skipping
+                )
+                if decision.suspect:  # quarantined only when the spike's follow-up confirms
+                    self.suspects.append(step)
                 return decision
             return self._decide(
                 point,
@@ -100,18 +170,32 @@ class StepPolicy:
         return self._decide(point, events, "step", "")
 
     # -- recovery ---------------------------------------------------------------------------------
-    def _recovery(self, point: MetricPoint, events: list[Event]) -> Decision | None:
+    def _recovery(
+        self, point: MetricPoint, events: list[Event], has_target: TargetCheck
+    ) -> Decision | None:
         """A rollback for a gradient explosion (typed at onset or on follow-up), an
-        architecture-type spike or a divergence; None when no event calls for one."""
+        architecture-type spike or a divergence; None when no event calls for one, or when no
+        snapshot lies before the incident (then `_no_target` names it, for an LR cut)."""
         for e in events:
+            decision: Decision | None = None
             if e.kind == "loss_spike" and e.type == "gradient_explosion":
-                return self._rollback(point, events, e.step, "gradient-explosion spike", True)
-            if e.kind == "spike_classified" and e.type == "gradient_explosion":
+                decision = self._rollback(
+                    point, events, e.step, "gradient-explosion spike", True, has_target
+                )
+            elif e.kind == "spike_classified" and e.type == "gradient_explosion":
                 spike = int(e.metrics.get("spike_step", e.step))
-                return self._rollback(point, events, spike, "gradient explosion confirmed", True)
-            if e.kind in ("divergence",) or (
+                decision = self._rollback(
+                    point, events, spike, "gradient explosion confirmed", True, has_target
+                )
+            elif e.kind in ("divergence",) or (
                 e.kind == "spike_classified" and e.type == "architecture"
             ):
+                start = e.step - (int(e.metrics.get("window", 0)) if e.kind == "divergence" else 0)
+                if e.kind == "spike_classified":
+                    start = int(e.metrics.get("spike_step", e.step))
+                if not has_target(start):
+                    self._no_target = start
+                    continue
                 self.architecture_rollbacks += 1
                 if self.architecture_rollbacks > self.recovery.architecture_rollbacks:
                     return self._halt(
@@ -121,17 +205,26 @@ class StepPolicy:
                         f"{e.message}; this looks like an architecture or initialisation fault "
                         "(normalisation, residual scaling), not bad data or a bad step",
                     )
-                start = e.step - (int(e.metrics.get("window", 0)) if e.kind == "divergence" else 0)
-                if e.kind == "spike_classified":
-                    start = int(e.metrics.get("spike_step", e.step))
-                return self._rollback(point, events, start, e.kind, True)
+                decision = self._rollback(point, events, start, e.kind, True, has_target)
+            if decision is not None:
+                return decision
         return None
 
     def _rollback(
-        self, point: MetricPoint, events: list[Event], incident: int, why: str, explosion: bool
-    ) -> Decision:
+        self,
+        point: MetricPoint,
+        events: list[Event],
+        incident: int,
+        why: str,
+        explosion: bool,
+        has_target: TargetCheck = lambda _: True,
+    ) -> Decision | None:
+        """Roll back to before `incident`; None when no snapshot lies before it."""
         rec = self.recovery
         step = point.step
+        if not has_target(incident):
+            self._no_target = incident
+            return None
         recent = [s for s in self.rollback_steps if step - s < rec.rollback_window]
         if len(recent) >= rec.max_rollbacks:
             return self._halt(
@@ -144,7 +237,7 @@ class StepPolicy:
         self.rollback_steps.append(step)
         target = incident - rec.rollback_margin
         if self.last_target is not None and abs(target - self.last_target) <= (
-            SAME_REGION * rec.snapshot_every
+            SAME_REGION * (rec.snapshot_every or 1)
         ):
             self.region_repeats += 1
         else:
@@ -185,6 +278,9 @@ class StepPolicy:
             "architecture_rollbacks": self.architecture_rollbacks,
             "last_target": self.last_target,
             "region_repeats": self.region_repeats,
+            "suspects": list(self.suspects),
+            "quarantined": list(self.quarantined),
+            "unrolled": self.unrolled,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -198,3 +294,9 @@ class StepPolicy:
         self.architecture_rollbacks = int(state.get("architecture_rollbacks", 0))
         self.last_target = state.get("last_target")
         self.region_repeats = int(state.get("region_repeats", 0))
+        self.suspects.clear()
+        self.suspects.extend(int(s) for s in state.get("suspects", []))
+        self.quarantined.clear()
+        self.quarantined.extend(int(s) for s in state.get("quarantined", []))
+        unrolled = state.get("unrolled")
+        self.unrolled = None if unrolled is None else int(unrolled)
