@@ -181,7 +181,12 @@ def sdc(rank: int, world: int, out: Path) -> dict[str, Any]:
         hit = r == 1 and step in SDC_STEPS and not (replaying and SDC_STEPS[step] == "one-off")
         return 1000.0 if hit else 1.0
 
-    config = {"max_grad_norm": None, "diagnosis": {"trace_every": 1}}
+    # the global grad-norm spike is off: the per-rank check alone must skip the step
+    config = {
+        "max_grad_norm": None,
+        "diagnosis": {"trace_every": 1},
+        "grad_spike": {"enabled": False},
+    }
     no_replay = frozenset(s for s, how in SDC_STEPS.items() if how == "no replay")
     return ddp_job(rank, world, out, 100, config, corrupt=corrupt, no_replay_at=no_replay)
 

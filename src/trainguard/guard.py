@@ -416,6 +416,7 @@ class Guard:
             {r for e in decision.events if e.kind == "rank_outlier" for r in e.metrics["ranks"]}
         )
         judged = " and ".join(m.replace("_", " ") for m in replayed)
+        judged += " were" if len(replayed) > 1 else " was"
         for rank in flagged:
             suspect = rank in again
             message = (
@@ -424,7 +425,7 @@ class Guard:
                 "data corruption, a bad device, or a bad data shard); the step was "
                 f"{_done(decision.action)} on every rank"
                 if suspect
-                else f"rank {rank} was transient: the replayed step's {judged} was in line with "
+                else f"rank {rank} was transient: the replayed step's {judged} in line with "
                 f"the other ranks; the step was {_done(decision.action)} on every rank"
             )
             event = Event(
