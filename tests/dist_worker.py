@@ -82,6 +82,9 @@ def ddp_job(
     fault: Any = None,
     sleep: Any = None,
     poison: Any = None,
+    corrupt: Any = None,
+    skip_at: set[int] | None = None,
+    no_replay_at: frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -91,7 +94,10 @@ def ddp_job(
     cfg = tg.GuardConfig.from_dict({"console": False, **config})
     counter = CollectiveCounter()
     guard = tg.Guard(ddp, opt, config=cfg, run_dir=out)
-    actions, per_step = [], []
+    scale = {"by": 1.0}  # a silent corruption of this rank's gradients, before the all-reduce
+    for p in model.parameters():
+        p.register_hook(lambda g: g * scale["by"] if scale["by"] != 1.0 else g)
+    actions, per_step, losses = [], [], []
     batches = guard.batches(data)
     for i, (x, y) in enumerate(batches):
         if i >= steps:
@@ -105,13 +111,27 @@ def ddp_job(
         if fault is not None:
             loss = fault(rank, step, loss)  # a fault that a replay does not see
         opt.zero_grad(set_to_none=True)
+        scale["by"] = corrupt(rank, step, False) if corrupt is not None else 1.0
         loss.backward()
+        scale["by"] = 1.0
         counter.active, counter.count = True, 0
 
-        def replay(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+        def replay(x: torch.Tensor = x, y: torch.Tensor = y, step: int = step) -> torch.Tensor:
+            scale["by"] = corrupt(rank, step, True) if corrupt is not None else 1.0
             return nn.functional.mse_loss(ddp(x), y)
 
-        decision = guard.step(loss, batch_ids=[f"r{rank}-b{i}"], replay=replay)
+        losses.append(float(loss.detach()))
+        if skip_at is not None:  # the reference: plain DDP steps, that one's update left out
+            if step not in skip_at:
+                opt.step()
+            guard.global_step += 1
+            actions.append([step, "skip" if step in skip_at else "step"])
+            per_step.append(0)
+            continue
+        decision = guard.step(
+            loss, batch_ids=[f"r{rank}-b{i}"], replay=None if step in no_replay_at else replay
+        )
+        scale["by"] = 1.0
         counter.active = False
         per_step.append(counter.count)
         actions.append([decision.step, decision.action])
@@ -121,6 +141,7 @@ def ddp_job(
         "collectives_per_step": per_step,
         "exchange_calls": guard.exchange.calls if guard.exchange else 0,
         "weights": [float(p.detach().sum()) for p in model.parameters()],
+        "losses": losses,
     }
 
 
@@ -143,6 +164,41 @@ def toxic_on_rank2(rank: int, world: int, out: Path) -> dict[str, Any]:
 
     config = {"recovery": {"snapshot_every": 20, "rollback_margin": 5}}
     return ddp_job(rank, world, out, 110, config, fault=fault)
+
+
+def clean_small_batches(rank: int, world: int, out: Path) -> dict[str, Any]:
+    return ddp_job(rank, world, out, 150, {"diagnosis": {"trace_every": 1}})
+
+
+SDC_STEPS = {40: "lasting", 60: "one-off", 80: "no replay"}
+
+
+def sdc(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Rank 1's gradients x1000 before the all-reduce at each of SDC_STEPS: on the replay too
+    at 40 (a lasting fault), not at 60 (a one-off); at 80 the step has no replay closure."""
+
+    def corrupt(r: int, step: int, replaying: bool) -> float:
+        hit = r == 1 and step in SDC_STEPS and not (replaying and SDC_STEPS[step] == "one-off")
+        return 1000.0 if hit else 1.0
+
+    # the global grad-norm spike is off: the per-rank check alone must skip the step
+    config = {
+        "max_grad_norm": None,
+        "diagnosis": {"trace_every": 1},
+        "grad_spike": {"enabled": False},
+    }
+    no_replay = frozenset(s for s, how in SDC_STEPS.items() if how == "no replay")
+    return ddp_job(rank, world, out, 100, config, corrupt=corrupt, no_replay_at=no_replay)
+
+
+def sdc_reference(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Plain DDP steps over the same data: with the updates of SDC_STEPS left out, and clean."""
+    config = {"max_grad_norm": None}
+    (out / "skipped").mkdir(exist_ok=True)
+    (out / "clean").mkdir(exist_ok=True)
+    skipped = ddp_job(rank, world, out / "skipped", 100, config, skip_at=set(SDC_STEPS))
+    clean = ddp_job(rank, world, out / "clean", 100, config, skip_at=set())
+    return {"skipped": skipped, "clean": clean}
 
 
 def straggler(rank: int, world: int, out: Path) -> dict[str, Any]:
@@ -216,5 +272,8 @@ SCENARIOS = {
     "nan_on_rank1": nan_on_rank1,
     "toxic_on_rank2": toxic_on_rank2,
     "straggler": straggler,
+    "clean_small_batches": clean_small_batches,
+    "sdc": sdc,
+    "sdc_reference": sdc_reference,
     "fsdp_norm": fsdp_norm,
 }

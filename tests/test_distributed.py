@@ -129,3 +129,34 @@ def test_fsdp2_checkpoints_are_sharded_and_resume_to_the_same_weights(tmp_path):
     step = tmp_path / "checkpoints" / "step-10"
     assert (step / "trainguard-rank0.json").is_file() and (step / "trainguard-rank1.json").is_file()
     assert len(list(step.glob("*.distcp"))) == 2  # one shard file per rank
+
+
+def test_three_healthy_ranks_of_32_samples_raise_no_rank_outlier(tmp_path):
+    launch("clean_small_batches", 3, tmp_path)
+    found = [e for e in events(tmp_path) if e["kind"] == "rank_outlier"]
+    assert [e for e in found if e["severity"] != "info"] == []
+    assert not any(e["metrics"].get("suspect") for e in found)
+
+
+def test_gradients_x1000_on_one_rank_skip_the_step_on_every_rank_then_replay_it(tmp_path):
+    results = launch("sdc", 3, tmp_path / "run")
+    (tmp_path / "reference").mkdir()
+    reference = launch("sdc_reference", 3, tmp_path / "reference")
+    planted = {40, 60, 80}
+    for r in results:
+        assert r["actions"] == results[0]["actions"]
+        assert {s for s, a in r["actions"] if a != "step"} == planted
+        assert r["weights"] == results[0]["weights"]  # the replicas never diverged
+        # each planted step's update was left out, and nothing else changed
+        assert r["weights"] == pytest.approx(reference[0]["skipped"]["weights"], rel=1e-5)
+    found = [e for e in events(tmp_path / "run") if e["kind"] == "rank_outlier"]
+    assert {e["step"] for e in found} == planted and {e["rank"] for e in found} == {1}
+    verdicts = [(e["step"], e["metrics"]["suspect"]) for e in found if "suspect" in e["metrics"]]
+    # a lasting fault comes back on replay; a one-off does not; with no replay, no verdict
+    assert verdicts == [(40, True), (60, False), (80, None)]
+    lasting = next(e for e in found if e["metrics"].get("suspect"))
+    assert lasting["severity"] == "critical" and "grad norm" in lasting["message"]
+    # three of 100 updates left out: the last 20 steps' loss within 5% of the clean run's
+    guarded = sum(sum(r["losses"][-20:]) for r in results)
+    clean = sum(sum(r["clean"]["losses"][-20:]) for r in reference)
+    assert guarded == pytest.approx(clean, rel=0.05)

@@ -155,14 +155,40 @@ class HealthConfig(_Section):
 
 class RanksConfig(_Section):
     """Per-rank checks in a distributed run: a rank whose loss or local grad norm (before the
-    gradient reduction) is non-finite, or far above the other ranks'."""
+    gradient reduction) is non-finite, or far out of line with the other ranks in a way this
+    run's own history never showed (each rank's normal spread is learned from the run)."""
 
     enabled: bool = True
     ratio_threshold: float = Field(
-        3.0, gt=1, description="A rank's value over this x the median of the other ranks."
+        3.0,
+        gt=1,
+        description="And a rank's ratio to the median of the others over this x its usual one.",
     )
     z_threshold: float = Field(
-        6.0, gt=0, description="And, with 3 or more ranks, a robust z-score among them over this."
+        6.0,
+        gt=0,
+        description="A rank's log-ratio to the others over this many of its own robust "
+        "deviations (learned over `window` steps).",
+    )
+    reach_margin: float = Field(
+        1.5,
+        gt=1,
+        description="And over this x the furthest any rank reached in the window (heavy tails).",
+    )
+    window: int = Field(
+        200, ge=10, description="Steps of per-rank history the spread is read from."
+    )
+    min_history: int = Field(20, ge=5, description="Steps seen before the learned rule applies.")
+    warmup_ratio: float = Field(
+        50.0,
+        gt=1,
+        description="Until then, a rank over this x the median of the others is out of line.",
+    )
+    min_spread: float = Field(
+        0.05,
+        gt=0,
+        description="The floor of a rank's normal spread, relative (0.05: 5% of the others' "
+        "median).",
     )
 
 
@@ -400,7 +426,7 @@ class PolicyConfig(_Section):
     """How events become actions."""
 
     skip_on: list[str] = Field(
-        default_factory=lambda: ["loss_spike", "grad_spike"],
+        default_factory=lambda: ["loss_spike", "grad_spike", "rank_outlier"],
         description="Event kinds whose step is skipped (non-finite gradients always are).",
     )
     halt_on: list[str] = Field(default_factory=list, description="Event kinds that halt the run.")

@@ -237,11 +237,16 @@ class Guard:
         if self.checkpoints is not None and self.checkpoints.errors:  # a background write failed
             for error in self._checkpoint_errors():
                 self._warn(error)
+        outlier = self.ranks is not None and any(e.kind == "rank_outlier" for e in decision.events)
         if replay is not None:
             kinds = {e.kind for e in decision.events}
-            if "nonfinite" in kinds or (self.ranks is not None and "rank_outlier" in kinds):
-                self._trace(decision, replay)
+            if ("nonfinite" in kinds or outlier) and not self._trace(decision, replay) and outlier:
+                self._no_verdict(
+                    decision, "the last replay was under diagnosis.trace_every steps ago"
+                )
             self._replay_rng = rng_state()  # the next step's forward starts from here
+        elif outlier:
+            self._no_verdict(decision, "no replay= closure was passed to guard.step")
         self._record(point, decision, signals)
         if decision.action == "halt":
             self._halt(decision, raise_error=True)
@@ -333,13 +338,14 @@ class Guard:
         self._emit(event)
         return [s.id for s in samples]
 
-    def _trace(self, decision: Decision, replay: Callable[[], torch.Tensor]) -> None:
+    def _trace(self, decision: Decision, replay: Callable[[], torch.Tensor]) -> bool:
         """Re-run the failing step from its starting state with every module and op watched;
         in a distributed run every rank replays its own batch, without gradient sync, and
-        the ranks the per-rank checks named are marked suspect (it came back) or transient."""
+        the ranks the per-rank checks named are marked suspect (out of line again, in loss or
+        own grad norm) or transient. False when `diagnosis.trace_every` held the replay back."""
         assert self.model is not None and self.optimizer is not None
         if decision.step - self._last_trace < self.config.diagnosis.trace_every:
-            return
+            return False
         self._last_trace = decision.step
         buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
         now = rng_state()
@@ -352,9 +358,15 @@ class Guard:
             losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) else loss)
             return loss
 
+        own_norm = math.nan
+        self.optimizer.zero_grad(set_to_none=True)  # the replay's gradients alone, to measure
         try:
             with self._local_gradients():
                 report = trace_nonfinite(self.model, watched)
+            if self._local_norm is not None:  # DDP: this rank's own gradients, as the hook saw
+                grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+                if grads:
+                    own_norm = float(torch.nn.utils.get_total_norm(grads))
         finally:
             set_rng_state(now)
             with torch.no_grad():
@@ -363,19 +375,23 @@ class Guard:
             self.optimizer.zero_grad(set_to_none=True)
         if self.ranks is None:
             self._emit_origin(decision, report, None)
-            return
+            return True
         mine = (
             losses[0] if losses else math.nan,
+            own_norm,
             report.transient,
             report.describe(),
             _origin_metrics(report),
         )
         everyone: list[Any] = [None] * self.ranks.world_size
         torch.distributed.all_gather_object(everyone, mine, group=self.ranks.group)
-        for rank, (loss, transient, text, metrics) in enumerate(everyone):
+        for rank, (loss, _, transient, text, metrics) in enumerate(everyone):
             if not transient or not math.isfinite(loss):
                 self._emit_origin(decision, report, rank, text, metrics)
-        self._judge_ranks(decision, [float(e[0]) for e in everyone])
+        self._judge_ranks(
+            decision, [float(e[0]) for e in everyone], [float(e[1]) for e in everyone]
+        )
+        return True
 
     def _emit_origin(
         self,
@@ -399,30 +415,69 @@ class Guard:
         decision.events.append(event)
         self._emit(event)
 
-    def _judge_ranks(self, decision: Decision, replayed: list[float]) -> None:
-        """Each rank a per-rank check named: suspect when its value is out of line again on
-        replay (silent data corruption or a bad shard), transient when it is not."""
-        outliers = RankOutlierDetector(self.config.ranks)
-        again = outliers.update(MetricPoint(decision.step, math.nan, rank_losses=replayed))
-        repeated = {r for e in again for r in e.metrics["ranks"]}
+    def _judge_ranks(
+        self, decision: Decision, losses: list[float], grad_norms: list[float]
+    ) -> None:
+        """Each rank a per-rank check named: suspect when its replayed loss or own grad norm is
+        out of line again by the run's learned rule (a lasting fault: silent data corruption,
+        bad hardware or a bad data shard), transient when both are back in line."""
+        live = [d for d in self.detectors.detectors if isinstance(d, RankOutlierDetector)]
+        judge = live[0] if live else RankOutlierDetector(self.config.ranks)
+        replayed = {"loss": losses, "grad_norm": grad_norms}
+        if all(math.isnan(v) for v in grad_norms):  # no DDP hook: only the loss can be judged
+            del replayed["grad_norm"]
+        again: dict[int, list[str]] = {}
+        for metric, values in replayed.items():
+            for rank, *_ in judge.judge(metric, values):
+                again.setdefault(rank, []).append(metric)
         flagged = sorted(
             {r for e in decision.events if e.kind == "rank_outlier" for r in e.metrics["ranks"]}
         )
+        judged = " and ".join(m.replace("_", " ") for m in replayed)
+        judged += " were" if len(replayed) > 1 else " was"
         for rank in flagged:
-            suspect = rank in repeated
+            suspect = rank in again
             message = (
-                f"rank {rank} is suspect: its loss was out of line again when the step was "
-                "replayed (silent data corruption or a bad data shard)"
+                f"rank {rank} is suspect: its {' and '.join(again[rank]).replace('_', ' ')} "
+                "was out of line again when the step was replayed (a lasting fault: silent "
+                "data corruption, a bad device, or a bad data shard); the step was "
+                f"{_done(decision.action)} on every rank"
                 if suspect
-                else f"rank {rank} was transient: the replayed step was in line with the "
-                "other ranks"
+                else f"rank {rank} was transient: the replayed step's {judged} in line with "
+                f"the other ranks; the step was {_done(decision.action)} on every rank"
             )
             event = Event(
                 step=decision.step,
                 kind="rank_outlier",
                 severity="critical" if suspect else "info",
                 message=message,
-                metrics={"ranks": [rank], "suspect": suspect, "replayed_losses": replayed},
+                metrics={
+                    "ranks": [rank],
+                    "suspect": suspect,
+                    "replayed_losses": losses,
+                    "replayed_grad_norms": grad_norms,
+                },
+                action=decision.action,
+                rank=rank,
+            )
+            decision.events.append(event)
+            self._emit(event)
+
+    def _no_verdict(self, decision: Decision, why: str) -> None:
+        """The ranks a per-rank check named, when the step could not be replayed: no verdict."""
+        flagged = sorted(
+            {r for e in decision.events if e.kind == "rank_outlier" for r in e.metrics["ranks"]}
+        )
+        for rank in flagged:
+            event = Event(
+                step=decision.step,
+                kind="rank_outlier",
+                severity="info",
+                message=(
+                    f"rank {rank}: no verdict (suspect or transient) could be reached, since "
+                    f"{why}; the step was {_done(decision.action)} on every rank"
+                ),
+                metrics={"ranks": [rank], "suspect": None},
                 action=decision.action,
                 rank=rank,
             )
@@ -1208,6 +1263,12 @@ def _origin_metrics(report: NonFiniteReport) -> dict[str, Any]:
         "frames": origin.frames if origin else [],
         "inputs": [i.to_dict() for i in report.inputs],
     }
+
+
+def _done(action: str) -> str:
+    return {"step": "applied", "skip": "skipped", "rollback": "rolled back", "halt": "halted"}.get(
+        action, action
+    )
 
 
 def _add_rank_figures(point: MetricPoint, extra: list[float], world: int) -> None:
