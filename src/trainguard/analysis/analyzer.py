@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from trainguard.analysis.logs import LogData
 from trainguard.config import DivergenceConfig, GuardConfig
 from trainguard.detectors import DetectorSuite
 from trainguard.detectors.nonfinite import inferred_overflow
+from trainguard.detectors.series import MetricSeries
 from trainguard.detectors.stats import noise_and_drift
 from trainguard.events import SEVERITY_RANK, SPIKE_TYPES, Event, Severity, SpikeType
 
@@ -21,7 +23,8 @@ SPIKE_SIGMAS = 6.0
 RECENT_STEPS = 10_000
 RISE_POINTS = 3  # points in a row a sparse log's loss must rise for (see `sparse_rises`)
 RISE_HISTORY = 5  # points before a rise that set its lowest loss and its noise
-SPARSE_SHARE = 4  # a sparse log's trend windows span this share (1/4) of its points
+SPARSE_SHARE = 4  # a sparse log's trend windows span this share (1/4) of its points...
+SPARSE_MOST = 2  # ...and at most this many times the detector's least window
 ACTIONS = ("step", "skip", "rollback", "halt")
 
 
@@ -94,9 +97,10 @@ def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
     given = config or GuardConfig()
     cfg = scaled_config(given, data.steps, data.loss)
     suite = DetectorSuite(cfg)
-    series = data.series()
-    series.overflow = inferred_overflow(series.loss, series.grad_norm)
-    found = _one_per_stretch(suite.run(series), data.steps)
+    full = data.series()
+    full.overflow = inferred_overflow(full.loss, full.grad_norm)
+    series, lengths = _first_of_each_nan_stretch(full)
+    found = _one_per_stretch(suite.run(series), series.steps, lengths)
     found += _abandoned_nonfinite(data.abandoned)
     if _is_sparse(given.divergence, data.steps):
         found += sparse_rises(data.steps, data.loss, cfg.divergence, data.extra.get("lr"))
@@ -140,7 +144,8 @@ def scaled_config(config: GuardConfig, steps: np.ndarray, loss: np.ndarray) -> G
     """`config` with the trend windows (stall, divergence, oscillation; set in steps) turned into
     the points of this log: a window of W steps spans W / spacing points, where the spacing is
     the median step between logged points; a log too sparse for that (fewer points than the
-    detector's least window) is judged over the last quarter of its points; and no window is
+    detector's least window) is judged over the last quarter of its points, at most twice the
+    least window; and no window is
     longer than half the log, so that a short log is judged too. Noise windows (loss and grad
     spikes) count points and are left as they are."""
     n = int(np.count_nonzero(np.isfinite(loss)))
@@ -150,7 +155,7 @@ def scaled_config(config: GuardConfig, steps: np.ndarray, loss: np.ndarray) -> G
     def points(window: int, least: int) -> int:
         p = round(window / spacing)
         if p < least:
-            p = max(least, n // SPARSE_SHARE)
+            p = max(least, min(n // SPARSE_SHARE, SPARSE_MOST * least))
         return max(least, min(p, n // 2))
 
     # the least windows the configs allow (20, 20, 32); at least one point per block
@@ -185,8 +190,9 @@ def sparse_rises(
     lr: np.ndarray | None = None,
 ) -> list[Event]:
     """Divergence in a sparse log (a point a day, say), where a few points are days of training
-    and a trend test has too few of them: the loss rose on `RISE_POINTS` points in a row to
-    `min_rel_rise` above the lowest before them, by more than `z_threshold` noise standard
+    and a trend test has too few of them: the loss rose on `RISE_POINTS` points in a row, each
+    at least half of `min_rel_rise` above the lowest before them and the last `min_rel_rise`
+    above it (a sustained rise, not one jump), by more than `z_threshold` noise standard
     deviations over the drift the points before it had (the noise from their differences), and
     the LR did not jump (a warm restart). One event per rise, until the loss falls back."""
     ok = np.isfinite(loss)
@@ -194,18 +200,34 @@ def sparse_rises(
     v = loss[ok]
     k = RISE_POINTS
     events: list[Event] = []
+    first_j = RISE_HISTORY + k - 1
+    if len(v) <= first_j:
+        return events
+    # the cheap tests, vectorised: k rises in a row, sustained, to min_rel_rise over the lowest
+    up = np.diff(v) > 0
+    rising: np.ndarray = np.asarray(sliding_window_view(up, k).all(axis=1))
+    steady = rising[first_j - k :]  # k rises in a row ending at each j
+    lows = np.minimum.accumulate(v)[first_j - k : len(v) - k]  # the lowest before each rise
+    ends, starts = v[first_j:], v[first_j - k + 1 : len(v) - k + 1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.abs(lows)
+        hit = (
+            steady
+            & (scale > 0)
+            & ((ends - lows) / scale >= cfg.min_rel_rise)
+            & ((starts - lows) / scale >= cfg.min_rel_rise / 2)  # not one jump at the end
+        )
     active_low: float | None = None
-    for j in range(RISE_HISTORY + k - 1, len(v)):
-        if active_low is not None:
-            if v[j] < (1 + cfg.min_rel_rise) * active_low:
-                active_low = None
-            continue
+    last_j = -1
+    for j in (first_j + np.flatnonzero(hit)).tolist():
+        if active_low is not None:  # one event per rise: re-armed once the loss fell back
+            fell = np.flatnonzero(v[last_j + 1 : j + 1] < (1 + cfg.min_rel_rise) * active_low)
+            if not len(fell):
+                continue
+            active_low = None
         before, window = v[: j - k + 1], v[j - k + 1 : j + 1]
         base = before[-1]
-        steady = bool(np.all(np.diff(np.concatenate(([base], window))) > 0))
         low = float(before.min())
-        if not steady or low == 0 or (window[-1] - low) / abs(low) < cfg.min_rel_rise:
-            continue
         noise, drift = noise_and_drift(before[-4 * RISE_HISTORY :].tolist())
         excess = window[-1] - base - k * drift
         if noise > 0 and excess < cfg.z_threshold * noise * math.sqrt(k):
@@ -215,7 +237,7 @@ def sparse_rises(
             rates = rates[np.isfinite(rates)]
             if len(rates) > 1 and bool(np.any(rates[1:] > 1.5 * rates[:-1])):
                 continue
-        active_low = low
+        active_low, last_j = low, j
         rise = (window[-1] - low) / abs(low)
         first = int(steps[idx[j - k + 1]])
         message = (
@@ -236,9 +258,46 @@ def sparse_rises(
     return events
 
 
-def _one_per_stretch(events: list[Event], steps: np.ndarray) -> list[Event]:
-    """The detectors' events with each run of `nonfinite` events on consecutive logged steps
-    folded into its first, which then names the stretch (last step, how many steps)."""
+def _first_of_each_nan_stretch(
+    series: MetricSeries,
+) -> tuple[MetricSeries, dict[int, tuple[int, int]]]:
+    """The series with each stretch of NaN/Inf loss cut to its first row (a run that died
+    stays dead: its later rows add no event, and the detectors would take them one by one),
+    and, by the step of each such first row, the last step and length of its stretch."""
+    bad = ~np.isfinite(series.loss)
+    if not bad.any():
+        return series, {}
+    starts = np.flatnonzero(bad & ~np.concatenate(([False], bad[:-1])))
+    ends = np.flatnonzero(bad & ~np.concatenate((bad[1:], [False])))
+    steps = series.steps
+    lengths = {
+        int(steps[a]): (int(steps[b]), int(b - a + 1)) for a, b in zip(starts, ends, strict=True)
+    }
+    keep = ~bad
+    keep[starts] = True
+
+    def cut(column: np.ndarray | None) -> np.ndarray | None:
+        return None if column is None else column[keep]
+
+    return (
+        MetricSeries(
+            steps[keep],
+            series.loss[keep],
+            grad_norm=cut(series.grad_norm),
+            lr=cut(series.lr),
+            loss_scale=cut(series.loss_scale),
+            overflow=cut(series.overflow),
+        ),
+        lengths,
+    )
+
+
+def _one_per_stretch(
+    events: list[Event], steps: np.ndarray, lengths: dict[int, tuple[int, int]]
+) -> list[Event]:
+    """The detectors' events with each run of `nonfinite` events on consecutive rows of `steps`
+    folded into its first, which then names the stretch (last step, how many steps); a row
+    that stands for a cut stretch of NaN/Inf loss (`lengths`) counts as that whole stretch."""
     out: list[Event] = []
     head: Event | None = None
     last = -2
@@ -247,14 +306,16 @@ def _one_per_stretch(events: list[Event], steps: np.ndarray) -> list[Event]:
             out.append(e)
             continue
         at = int(np.searchsorted(steps, e.step))  # its row: the steps are sorted and unique
+        end, count = lengths.get(e.step, (e.step, 1))
         if head is not None and at == last + 1:
-            head.metrics["last_step"] = e.step
-            head.metrics["steps"] += 1
-            head.message = _stretch_message(head)
+            head.metrics["last_step"] = end
+            head.metrics["steps"] += count
         else:
             head = e
-            e.metrics = {**e.metrics, "first_step": e.step, "last_step": e.step, "steps": 1}
+            e.metrics = {**e.metrics, "first_step": e.step, "last_step": end, "steps": count}
             out.append(e)
+        if head.metrics["steps"] > 1:
+            head.message = _stretch_message(head)
         last = at
     return out
 

@@ -64,6 +64,7 @@ def load_run(path: str | Path, config: GuardConfig | None = None) -> RunRecord:
         source=p,
         steps=data.steps,
         columns=columns,
+        abandoned=dict(data.abandoned),
         events=[e.to_dict() for e in result.events],
         config=cfg.model_dump(mode="json"),
         warnings=list(data.warnings),
