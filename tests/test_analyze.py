@@ -15,7 +15,7 @@ import pytest
 
 import trainguard as tg
 from test_real_curves import CURVES
-from trainguard.analysis import analyze, read_log, spike_score
+from trainguard.analysis import LogData, analyze, read_log, spike_score
 
 EXE = shutil.which("trainguard", path=str(Path(sys.executable).parent))
 
@@ -351,3 +351,17 @@ def test_steps_a_rollback_abandoned_stay_visible(tmp_path):
     assert event.step == 150 and event.severity == "critical" and "abandoned" in event.message
     assert result.summary["abandoned_steps"] == 59
     assert run(str(log)).returncode == 1
+
+
+def test_windows_follow_the_spacing_and_one_jump_is_no_sparse_divergence(tmp_path):
+    dense = analyze(LogData(np.arange(10_000), lm_curve(10_000)))
+    assert dense.summary["windows"] == {"stall": 2000, "divergence": 400, "oscillation": 200}
+    every5 = analyze(LogData(np.arange(10_000) * 5, lm_curve(10_000)))
+    assert every5.summary["windows"] == {"stall": 400, "divergence": 80, "oscillation": 40}
+    short = analyze(LogData(np.arange(300), lm_curve(300)))  # no window longer than half of it
+    assert short.summary["windows"] == {"stall": 150, "divergence": 150, "oscillation": 150}
+    steps, loss = sparse_run(60)
+    loss[40] *= 1.5  # one bad day, back the next
+    loss[50:52] *= 1.3  # two
+    result = analyze(read_log(write_csv(tmp_path / "daily.csv", steps, loss)))
+    assert not [e for e in result.events if e.kind == "divergence"]
