@@ -191,10 +191,11 @@ def sparse_rises(
 ) -> list[Event]:
     """Divergence in a sparse log (a point a day, say), where a few points are days of training
     and a trend test has too few of them: the loss rose on `RISE_POINTS` points in a row, each
-    at least half of `min_rel_rise` above the lowest before them and the last `min_rel_rise`
-    above it (a sustained rise, not one jump), by more than `z_threshold` noise standard
-    deviations over the drift the points before it had (the noise from their differences), and
-    the LR did not jump (a warm restart). One event per rise, until the loss falls back."""
+    more than `z_threshold` noise standard deviations over the level before them (the median of
+    the `RISE_HISTORY` points before; the noise from the differences of the points before it),
+    so the rise is sustained and not one jump or a noisy log's swing, the last `min_rel_rise`
+    over that level, and the LR did not jump (a warm restart). One event per rise, until the
+    loss falls back under `min_rel_rise` over the level."""
     ok = np.isfinite(loss)
     idx = np.flatnonzero(ok)
     v = loss[ok]
@@ -203,52 +204,46 @@ def sparse_rises(
     first_j = RISE_HISTORY + k - 1
     if len(v) <= first_j:
         return events
-    # the cheap tests, vectorised: k rises in a row, sustained, to min_rel_rise over the lowest
+    # the cheap tests, vectorised: k rises in a row, the last min_rel_rise over the level
     up = np.diff(v) > 0
     rising: np.ndarray = np.asarray(sliding_window_view(up, k).all(axis=1))
     steady = rising[first_j - k :]  # k rises in a row ending at each j
-    lows = np.minimum.accumulate(v)[first_j - k : len(v) - k]  # the lowest before each rise
+    levels = np.median(sliding_window_view(v, RISE_HISTORY), axis=1)[: len(v) - first_j]
     ends, starts = v[first_j:], v[first_j - k + 1 : len(v) - k + 1]
     with np.errstate(divide="ignore", invalid="ignore"):
-        scale = np.abs(lows)
-        hit = (
-            steady
-            & (scale > 0)
-            & ((ends - lows) / scale >= cfg.min_rel_rise)
-            & ((starts - lows) / scale >= cfg.min_rel_rise / 2)  # not one jump at the end
-        )
-    active_low: float | None = None
+        scale = np.abs(levels)
+        hit = steady & (scale > 0) & ((ends - levels) / scale >= cfg.min_rel_rise)
+        hit &= starts > levels  # each point over the level: judged against the noise below
+    active_level: float | None = None
     last_j = -1
     for j in (first_j + np.flatnonzero(hit)).tolist():
-        if active_low is not None:  # one event per rise: re-armed once the loss fell back
-            fell = np.flatnonzero(v[last_j + 1 : j + 1] < (1 + cfg.min_rel_rise) * active_low)
-            if not len(fell):
+        if active_level is not None:  # one event per rise: re-armed once the loss fell back
+            back = v[last_j + 1 : j + 1] < (1 + cfg.min_rel_rise) * active_level
+            if not back.any():
                 continue
-            active_low = None
+            active_level = None
         before, window = v[: j - k + 1], v[j - k + 1 : j + 1]
-        base = before[-1]
-        low = float(before.min())
-        noise, drift = noise_and_drift(before[-4 * RISE_HISTORY :].tolist())
-        excess = window[-1] - base - k * drift
-        if noise > 0 and excess < cfg.z_threshold * noise * math.sqrt(k):
-            continue
+        level = float(np.median(before[-RISE_HISTORY:]))
+        noise, _ = noise_and_drift(before[-4 * RISE_HISTORY :].tolist())
+        if float(window.min()) - level <= cfg.z_threshold * noise:
+            continue  # not every point of the rise is clear of the noise
         if lr is not None:
             rates = lr[idx[j - k] : idx[j] + 1]
             rates = rates[np.isfinite(rates)]
             if len(rates) > 1 and bool(np.any(rates[1:] > 1.5 * rates[:-1])):
                 continue
-        active_low, last_j = low, j
-        rise = (window[-1] - low) / abs(low)
+        active_level, last_j = level, j
+        rise = (window[-1] - level) / abs(level)
         first = int(steps[idx[j - k + 1]])
         message = (
             f"loss diverging: it rose on {k} logged points in a row (steps {first}.."
-            f"{int(steps[idx[j]])}), {rise:.1%} above its lowest {low:.4g}, now {window[-1]:.4g}; "
-            "the log is too sparse for the trend test, so the rise is judged against the noise "
-            "of the points before it"
+            f"{int(steps[idx[j]])}), {rise:.1%} above its level {level:.4g} before them, now "
+            f"{window[-1]:.4g}; the log is too sparse for the trend test, so each point of the "
+            "rise is judged against the noise of the points before it"
         )
         metrics = {
             "rise": rise,
-            "lowest": low,
+            "level": level,
             "latest": float(window[-1]),
             "points": k,
             "from_step": first,
