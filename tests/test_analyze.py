@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 
 import trainguard as tg
 from test_real_curves import CURVES
-from trainguard.analysis import analyze, read_log, spike_score
+from trainguard.analysis import LogData, analyze, read_log, spike_score
 
 EXE = shutil.which("trainguard", path=str(Path(sys.executable).parent))
 
@@ -33,7 +34,8 @@ def test_a_real_run_with_spikes_exits_1_with_one_json_object():
     report = json.loads(out.stdout)  # exactly one JSON object on stdout
     spikes = [e["step"] for e in report["events"] if e["kind"] == "loss_spike"]
     assert 2675 in spikes and 3775 in spikes
-    assert set(report["events"][0]) == {"step", "kind", "severity", "type", "message", "metrics"}
+    keys = {"step", "kind", "severity", "type", "message", "metrics", "source"}
+    assert set(report["events"][0]) == keys and report["events"][0]["source"] == "analyze"
     assert report["summary"]["steps"] == 5162 and report["summary"]["incidents"] >= 2
     assert 0 < report["summary"]["spike_score"]["loss"] < 0.01
 
@@ -85,7 +87,7 @@ def test_bad_rows_are_passed_over_with_a_warning_naming_them(tmp_path):
     log = tmp_path / "messy.csv"
     lines = ["step,loss,grad_norm"] + [f"{i},{3.0 - i * 1e-3},1.0" for i in range(100)]
     lines[11] = "10,not-a-number,1.0"
-    lines[21] = "20,nan,1.0"
+    lines[21] = "20,,1.0"  # no loss at all (a NaN loss is the run's, see below)
     lines += ["50,2.95,1.0", "5,2.99,1.0"]  # a repeated and an out-of-order step
     log.write_text("\n".join(lines) + "\n")
     data = read_log(log)
@@ -118,7 +120,7 @@ def test_blocks_of_a_large_file_keep_line_numbers_and_match_numpys_reader(tmp_pa
     data = read_log(log)
     assert len(data.steps) == 19_998 and data.steps[0] == 0 and data.steps[-1] == 19_999
     assert data.warnings == [
-        "passed over 2 row(s) without a numeric step and finite loss: line 5002, 17002"
+        "passed over 2 row(s) without a numeric step and loss: line 5002, 17002"
     ]
     assert np.isnan(data.extra["grad_norm"][list(data.steps).index(9000)])
     monkeypatch.setattr(logs, "USE_PANDAS", False)
@@ -150,3 +152,216 @@ def test_tensorboard_event_files_and_run_directories(tmp_path):
     missing = run(str(tmp_path / "tb"), "--tag", "val/loss")
     assert missing.returncode == 2 and "no TensorBoard scalar 'val/loss'" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+# -- non-finite values, a guarded run's own files, sparse logs (issue 17) ----------------------
+
+
+def write_csv(path: Path, steps, losses, grads=None) -> Path:
+    lines = ["step,loss" + (",grad_norm" if grads is not None else "")]
+    for i, (s, v) in enumerate(zip(steps, losses, strict=True)):
+        lines.append(f"{s},{v}" + (f",{grads[i]}" if grads is not None else ""))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_jsonl(path: Path, steps, losses) -> Path:
+    rows = [
+        json.dumps({"step": int(s), "loss": v if np.isfinite(v) else str(v)})
+        for s, v in zip(steps, losses, strict=True)
+    ]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def lm_curve(n: int, seed: int = 0, noise: float = 0.01) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(n)
+    return 2.0 + 3.0 / np.sqrt(1 + t / 50) + noise * rng.standard_normal(n)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_a_loss_that_turns_nan_is_a_critical_nonfinite_incident(tmp_path, suffix):
+    loss = lm_curve(600)
+    loss[300] = np.nan  # a single NaN
+    loss[450:] = np.nan  # and the run dying
+    loss[460] = np.inf
+    writer = write_csv if suffix == ".csv" else write_jsonl
+    log = writer(tmp_path / f"run{suffix}", range(600), loss)
+    result = analyze(read_log(log))
+    found = [e for e in result.events if e.kind == "nonfinite"]
+    assert [e.step for e in found] == [300, 450]  # one event per stretch
+    assert all(e.severity == "critical" for e in found)
+    assert found[1].metrics["last_step"] == 599 and found[1].metrics["steps"] == 150
+    assert result.summary["nonfinite_steps"] == 151
+    out = run(str(log), "--json")
+    assert out.returncode == 1, out.stderr
+    report = json.loads(out.stdout)
+    assert [e["step"] for e in report["events"] if e["kind"] == "nonfinite"] == [300, 450]
+    assert report["summary"]["final_loss"] == pytest.approx(loss[449])
+
+
+def test_a_log_that_is_nan_from_the_start_is_a_failed_run_not_bad_input(tmp_path):
+    log = write_csv(tmp_path / "dead.csv", range(50), [float("nan")] * 50)
+    out = run(str(log), "--json")
+    assert out.returncode == 1, out.stderr
+    report = json.loads(out.stdout)
+    (event,) = [e for e in report["events"] if e["kind"] == "nonfinite"]
+    assert event["step"] == 0 and event["severity"] == "critical"
+    assert report["summary"]["final_loss"] is None
+    text = run(str(log))
+    assert text.returncode == 1 and "nonfinite" in text.stdout
+    words = write_csv(tmp_path / "words.csv", range(5), ["x"] * 5)  # no number at all
+    assert run(str(words)).returncode == 2
+
+
+def test_an_inf_grad_norm_with_an_unmoved_loss_is_an_overflow_not_critical(tmp_path):
+    loss = lm_curve(400)
+    grads = np.ones(400)
+    grads[200] = np.inf  # fp16 overflow: the scaler skipped the step, the loss did not move
+    log = write_csv(tmp_path / "fp16.csv", range(400), loss, grads)
+    result = analyze(read_log(log))
+    assert [e.kind for e in result.events if e.step == 200] == ["fp16_overflow"]
+    assert not result.incidents and run(str(log)).returncode == 0
+    grads[250:290] = np.inf  # overflow on 40 steps in a row is no longer calibration
+    log = write_csv(tmp_path / "fp16b.csv", range(400), loss, grads)
+    result = analyze(read_log(log))
+    assert any(e.kind == "nonfinite" and e.severity == "critical" for e in result.events)
+    loss[330] = 3 * loss[329]  # an inf grad norm where the loss jumped is not an overflow
+    grads[330] = np.inf
+    log = write_csv(tmp_path / "fp16c.csv", range(400), loss, grads)
+    result = analyze(read_log(log))
+    assert any(e.kind == "nonfinite" and e.step == 330 for e in result.events)
+
+
+def sparse_run(days: int, rise_from: int | None = None, flat: bool = False, seed: int = 1):
+    """One point a day of a long run (about 2,400 steps a day): a power-law fall with a little
+    noise, flat instead when `flat`, rising from day `rise_from` (a data-loader bug)."""
+    rng = np.random.default_rng(seed)
+    steps = np.arange(1, days + 1) * 2400
+    if flat:
+        loss = 2.3 + 0.002 * rng.standard_normal(days)
+    else:
+        loss = 1.9 + 2.0 / np.sqrt(1 + np.arange(days) / 2) + 0.004 * rng.standard_normal(days)
+    if rise_from is not None:
+        k = np.arange(days - rise_from)
+        loss[rise_from:] = loss[rise_from - 1] * (1 + 0.06 * (k + 1))
+    return steps, loss
+
+
+@pytest.mark.parametrize("days", [30, 60, 200])
+def test_a_healthy_sparse_log_is_healthy(tmp_path, days):
+    steps, loss = sparse_run(days)
+    result = analyze(read_log(write_csv(tmp_path / "daily.csv", steps, loss)))
+    assert not result.incidents, [e.message for e in result.incidents]
+    assert not [e for e in result.events if e.kind == "stall"]
+
+
+@pytest.mark.parametrize("days", [30, 60, 200])
+def test_a_three_day_rise_in_a_sparse_log_is_divergence(tmp_path, days):
+    steps, loss = sparse_run(days, rise_from=days - 3)
+    log = write_csv(tmp_path / "daily.csv", steps, loss)
+    result = analyze(read_log(log))
+    (event,) = [e for e in result.incidents if e.kind == "divergence"]
+    assert event.step >= steps[days - 3] and event.severity == "critical"
+    assert run(str(log)).returncode == 1
+
+
+def test_a_flat_sparse_log_is_a_stall_only_when_truly_flat(tmp_path):
+    steps, loss = sparse_run(60, flat=True)
+    result = analyze(read_log(write_csv(tmp_path / "flat.csv", steps, loss)))
+    assert [e.kind for e in result.events if e.kind == "stall"] == ["stall"]
+    assert not result.incidents  # a stall is info
+
+
+def guarded_run(run_dir: Path, nan_at: int = 120, steps: int = 200) -> None:
+    """A small regression trained with a Guard on the CPU; its weights turn NaN at iteration
+    `nan_at`, so three steps are non-finite and the guard rolls back to its step-100 snapshot
+    and replays the steps after it."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 1, generator=g)
+    batches = []
+    for i in range(steps + 200):
+        x = torch.randn(32, 8, generator=g)
+        batches.append((i, x, x @ w + 0.1 * torch.randn(32, 1, generator=g)))
+    guard = tg.Guard(model, opt, config=tg.GuardConfig(console=False), run_dir=run_dir)
+    try:
+        for it, (i, x, y) in enumerate(guard.batches(batches)):
+            if guard.global_step >= steps:
+                break
+            if it == nan_at:
+                with torch.no_grad():
+                    model[2].weight.fill_(float("nan"))
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            guard.step(loss, batch_ids=[i])
+            opt.zero_grad(set_to_none=True)
+    finally:
+        guard.close()
+
+
+def test_a_guarded_runs_own_files_show_its_nan_and_rollback(tmp_path):
+    guarded_run(tmp_path)
+    recorded = [json.loads(line) for line in (tmp_path / "events.jsonl").open()]
+    (rollback,) = [e for e in recorded if e["kind"] == "rollback"]
+    nan_steps = [e["step"] for e in recorded if e["kind"] == "nonfinite"]
+    assert nan_steps == [120, 121, 122] and rollback["metrics"]["to_step"] == 100
+    rows = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()]
+    replayed = sorted(s for s, n in Counter(rows).items() if n > 1)
+    assert replayed == list(range(100, 123))  # from the snapshot's step to the rollback's
+    for source in (tmp_path, tmp_path / "metrics.jsonl"):
+        data = read_log(source)
+        assert list(data.abandoned["step"]) == replayed
+        assert np.isnan(data.abandoned["loss"][-3:]).all() and np.isfinite(data.loss).all()
+        result = analyze(data)
+        assert result.summary["recorded_events"] == len(recorded)
+        assert result.summary["abandoned_steps"] == len(replayed)
+        shown = [(e.step, e.kind, result.source(e)) for e in result.incidents]
+        for step in nan_steps:
+            assert (step, "nonfinite", "run") in shown
+        assert (122, "rollback", "run") in shown
+        # found again offline on the abandoned rows: the same incident as the recorded one
+        assert [e.step for e in result.events if e.kind == "nonfinite"] == nan_steps
+    cli = run(str(tmp_path), "--json")
+    assert cli.returncode == 1, cli.stderr
+    report = json.loads(cli.stdout)
+    assert {e["source"] for e in report["events"]} <= {"run", "analyze"}
+    assert {"nonfinite", "rollback"} <= {
+        e["kind"] for e in report["events"] if e["source"] == "run"
+    }
+    text = run(str(tmp_path / "metrics.jsonl"))
+    assert text.returncode == 1 and "abandoned by a rollback" in text.stdout
+
+
+def test_steps_a_rollback_abandoned_stay_visible(tmp_path):
+    rows = [{"step": s, "loss": 3.0 - s * 1e-3, "action": "step"} for s in range(160)]
+    rows[150] = {"step": 150, "loss": "nan", "action": "rollback"}
+    rows += [{"step": s, "loss": 3.0 - s * 1e-3, "action": "step"} for s in range(101, 300)]
+    log = tmp_path / "metrics.jsonl"  # no events.jsonl beside it: the rows alone tell
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = read_log(log)
+    assert len(data.steps) == 300 and list(data.abandoned["step"]) == list(range(101, 160))
+    result = analyze(data)
+    (event,) = [e for e in result.events if e.kind == "nonfinite"]
+    assert event.step == 150 and event.severity == "critical" and "abandoned" in event.message
+    assert result.summary["abandoned_steps"] == 59
+    assert run(str(log)).returncode == 1
+
+
+def test_windows_follow_the_spacing_and_one_jump_is_no_sparse_divergence(tmp_path):
+    dense = analyze(LogData(np.arange(10_000), lm_curve(10_000)))
+    assert dense.summary["windows"] == {"stall": 2000, "divergence": 400, "oscillation": 200}
+    every5 = analyze(LogData(np.arange(10_000) * 5, lm_curve(10_000)))
+    assert every5.summary["windows"] == {"stall": 400, "divergence": 80, "oscillation": 40}
+    short = analyze(LogData(np.arange(300), lm_curve(300)))  # no window longer than half of it
+    assert short.summary["windows"] == {"stall": 150, "divergence": 150, "oscillation": 150}
+    steps, loss = sparse_run(60)
+    loss[40] *= 1.5  # one bad day, back the next
+    loss[50:52] *= 1.3  # two
+    result = analyze(read_log(write_csv(tmp_path / "daily.csv", steps, loss)))
+    assert not [e for e in result.events if e.kind == "divergence"]

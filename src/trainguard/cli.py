@@ -65,7 +65,10 @@ def analyze(
     tag: Annotated[str | None, typer.Option(help="The TensorBoard scalar of the loss.")] = None,
 ) -> None:
     """Judge an existing loss log with the guard's detectors: exit 0 when healthy, 1 when
-    incidents at warning or above were found, 2 on bad input."""
+    incidents at warning or above were found (a NaN/Inf loss is one, a log NaN from the start a
+    failed run), 2 on bad input (no row with a numeric step and loss). A run directory or its
+    metrics.jsonl also shows the events the guarded run recorded in events.jsonl, and the
+    steps a rollback abandoned."""
     import json
 
     from rich.table import Table
@@ -77,12 +80,12 @@ def analyze(
     data = read_log(path, loss_column=column, step_column=step_column, tag=tag)
     result = run_analysis(data, cfg)
     if as_json:
-        typer.echo(json.dumps(result.to_dict()))
+        typer.echo(json.dumps(result.to_dict(), allow_nan=False))
     else:
         for warning in data.warnings:
             err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
         table = Table(title=escape(f"trainguard analyze {path}"), title_justify="left")
-        for name in ("step", "kind", "type", "severity", "magnitude", "what"):
+        for name in ("step", "kind", "type", "severity", "magnitude", "source", "what"):
             table.add_column(name, overflow="fold")
         for e in result.events:
             if e.severity == "info" and e.kind != "spike_classified":
@@ -94,6 +97,7 @@ def analyze(
                 e.type or "",
                 e.severity,
                 f"{magnitude:.3g}" if isinstance(magnitude, float) else str(magnitude),
+                result.source(e),
                 escape(e.message),
             )
         console = Console()
@@ -104,9 +108,20 @@ def analyze(
             if result.incidents
             else "healthy: no incident at warning or above"
         )
+        final = "none finite" if s["final_loss"] is None else f"{s['final_loss']:.4g}"
+        extra = [
+            f"{s[key]} {what}"
+            for key, what in (
+                ("nonfinite_steps", "with a NaN/Inf loss"),
+                ("abandoned_steps", "abandoned by a rollback"),
+                ("recorded_events", "events recorded by the run"),
+            )
+            if s[key]
+        ]
         console.print(
-            f"{s['steps']} steps ({s['first_step']}..{s['last_step']}), final loss "
-            f"{s['final_loss']:.4g}, loss spike score {s['spike_score']['loss']:.2e}: {verdict}"
+            f"{s['steps']} steps ({s['first_step']}..{s['last_step']}"
+            + "".join(f", {x}" for x in extra)
+            + f"), final loss {final}, loss spike score {s['spike_score']['loss']:.2e}: {verdict}"
         )
     if result.incidents:
         raise typer.Exit(1)

@@ -39,12 +39,17 @@ TB_TAGS = {  # TensorBoard tags tried in order when none is named
 
 @dataclass
 class LogData:
-    """Sorted, de-duplicated steps with their loss and, when present, grad norm, LR, loss scale."""
+    """Sorted, de-duplicated steps with their loss (NaN or Inf where the run logged a non-finite
+    loss) and, when present, grad norm, LR, loss scale; the rows a later row of the same step
+    replaced (`abandoned`, as a rollback leaves them); the events a guarded run recorded beside
+    its metrics.jsonl (`recorded`, JSON objects of events.jsonl)."""
 
     steps: np.ndarray
     loss: np.ndarray
     extra: dict[str, np.ndarray] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    abandoned: dict[str, np.ndarray] = field(default_factory=dict)  # "step", "loss"
+    recorded: list[dict[str, Any]] | None = None  # None: no events.jsonl beside the log
 
     def series(self) -> MetricSeries:
         """The columns as the detectors read them (NaN marks a missing value)."""
@@ -96,7 +101,10 @@ class _Columns:
     def finish(self, p: Path) -> LogData:
         steps = self._take("step")
         if len(steps) == 0:
-            raise TrainguardError(f"{p}: no row has a numeric step and a finite loss")
+            raise TrainguardError(
+                f"{p}: no row has a numeric step and a numeric loss; give a log of the run's "
+                "loss (NaN and Inf count as numbers)"
+            )
         loss = self._take("loss")
         extra = {k: self._take(k) for k in OPTIONAL if self.parts[k]}
         notes = []
@@ -105,29 +113,44 @@ class _Columns:
             shown = ", ".join(str(n) for n in self.bad)
             more = self.bad_count - len(self.bad)
             notes.append(
-                f"passed over {self.bad_count} row(s) without a numeric step and finite loss: "
+                f"passed over {self.bad_count} row(s) without a numeric step and loss: "
                 f"{self.unit} {shown}" + (f" and {more} more" if more > 0 else "")
             )
         if truncated:
             notes.append(truncated)
         order = steps.astype(np.int64)
         del steps
+        abandoned: dict[str, np.ndarray] = {}
         if len(order) > 1 and not np.all(order[1:] > order[:-1]):
             notes.append("steps were unsorted or repeated: sorted, keeping the last row per step")
-            # the last row of each step: unique over the reversed rows keeps first occurrences
-            uniq, first = np.unique(order[::-1], return_index=True)
-            keep = len(order) - 1 - first
-            order, loss = uniq, loss[keep]
+            keep, dropped = final_timeline(order)
+            abandoned = {"step": order[dropped], "loss": loss[dropped]}
+            order, loss = order[keep], loss[keep]
             extra = {k: v[keep] for k, v in extra.items()}
-        extra = {k: v for k, v in extra.items() if np.isfinite(v).any()}
-        return LogData(order, loss, extra, notes)
+        extra = {k: v for k, v in extra.items() if (~np.isnan(v)).any()}  # an all-Inf column stays
+        return LogData(order, loss, extra, notes, abandoned)
+
+
+def final_timeline(steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of the final timeline (the last row of each step, in step order) and the rows a
+    later row of the same step replaced, in file order: the steps a rollback or resume
+    abandoned and replayed."""
+    order = np.asarray(steps, dtype=np.int64)
+    # the last row of each step: unique over the reversed rows keeps first occurrences
+    _, first = np.unique(order[::-1], return_index=True)
+    keep = len(order) - 1 - first
+    gone = np.ones(len(order), dtype=bool)
+    gone[keep] = False
+    return keep, np.flatnonzero(gone)
 
 
 def read_log(
     path: str | Path, loss_column: str = "loss", step_column: str = "step", tag: str | None = None
 ) -> LogData:
-    """Read a log; rows with a missing, non-numeric or non-finite loss or step are passed over
-    with a warning naming them; unsorted and repeated steps are sorted (the last row wins)."""
+    """Read a log; rows with a missing or non-numeric loss or step are passed over with a
+    warning naming them (a NaN or Inf loss is kept: it is the run's, and an incident); unsorted
+    and repeated steps are sorted (the last row wins, the rows it replaced are kept apart as
+    `abandoned`). A trainguard metrics.jsonl brings the events.jsonl beside it (`recorded`)."""
     p = Path(path)
     tb_tag = tag or (loss_column if loss_column != "loss" else None)
     if p.is_dir():
@@ -172,7 +195,12 @@ def read_log(
                 f"{p} is not a text log (binary data, or text that is not UTF-8): give a CSV, "
                 "TSV or JSONL log saved as UTF-8, or TensorBoard event files"
             )
-        return _jsonl(p, names) if delimiter is None else _delimited(p, delimiter, names)
+        data = _jsonl(p, names) if delimiter is None else _delimited(p, delimiter, names)
+        if p.name == "metrics.jsonl" and (p.parent / "events.jsonl").is_file():
+            from trainguard.analysis.run import recorded_events
+
+            data.recorded = recorded_events(p.parent / "events.jsonl", data.warnings)
+        return data
     except OSError as exc:
         raise TrainguardError(
             f"cannot read {p}: {exc.strerror or exc}; check the path and its permissions"
@@ -293,8 +321,8 @@ def _fast_block(data: bytes, delimiter: str, where: dict[str, int]) -> dict[str,
     except Exception:  # any trouble in a C reader: the row-by-row path judges each row
         return None
     block = {k: table[:, i] for i, k in enumerate(keys)}
-    if not (np.isfinite(block["loss"]).all() and (np.abs(block["step"]) < MAX_STEP).all()):
-        return None
+    if np.isnan(block["loss"]).any() or not (np.abs(block["step"]) < MAX_STEP).all():
+        return None  # a NaN may be a reader's empty cell: the row-by-row path tells them apart
     return block
 
 
@@ -361,7 +389,7 @@ def _slow_block(
 
 def _keep(cells: Mapping[str, object], cols: dict[str, array[float]]) -> bool:
     step, loss = _number(cells.get("step")), _number(cells.get("loss"))
-    if step is None or loss is None or not abs(step) < MAX_STEP or not math.isfinite(loss):
+    if step is None or loss is None or not abs(step) < MAX_STEP:
         return False
     cols["step"].append(step)
     cols["loss"].append(loss)
@@ -439,10 +467,7 @@ def _tensorboard(p: Path, tag: str | None) -> LogData:
         name = _tb_tag(p, series, key, None, required=False)
         if name is not None:
             block[key] = np.array([series[name].get(s, math.nan) for s in steps])
-    finite = np.isfinite(loss)
-    for s in np.asarray(steps)[~finite]:
-        out.skip(int(s))
-    out.add({k: v[finite] for k, v in block.items()})
+    out.add(block)  # a NaN or Inf loss is the run's: kept, and judged an incident
     data = out.finish(p)
     data.warnings.insert(0, f"read the TensorBoard scalar '{chosen}'")
     return data

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from trainguard.analysis.logs import json_object
+from trainguard.analysis.logs import final_timeline, json_object
 from trainguard.config import GuardConfig
 from trainguard.events import TrainguardError
 
@@ -64,6 +64,7 @@ def load_run(path: str | Path, config: GuardConfig | None = None) -> RunRecord:
         source=p,
         steps=data.steps,
         columns=columns,
+        abandoned=dict(data.abandoned),
         events=[e.to_dict() for e in result.events],
         config=cfg.model_dump(mode="json"),
         warnings=list(data.warnings),
@@ -132,6 +133,19 @@ def _read_lines(path: Path, warnings: list[str], exact: bool = True) -> list[dic
     return records
 
 
+def recorded_events(path: Path, warnings: list[str]) -> list[dict[str, Any]]:
+    """The events of a guard's events.jsonl as JSON objects, in order; lines that are not
+    events are passed over with a warning."""
+    lines = _read_lines(path, warnings, exact=False)
+    events = [e for e in lines if _is_event(e)]
+    if len(events) < len(lines):
+        warnings.append(
+            f"passed over {len(lines) - len(events)} line(s) of {path.name} that are not "
+            "events (a string kind, an integer step, a known severity)"
+        )
+    return events
+
+
 def _run_dir(p: Path) -> RunRecord:
     warnings: list[str] = []
     lines = _read_lines(p / "metrics.jsonl", warnings)
@@ -146,11 +160,9 @@ def _run_dir(p: Path) -> RunRecord:
             f"{p / 'metrics.jsonl'} has no step records: nothing to report; give the run_dir "
             "of a Guard, or a loss log"
         )
-    last: dict[int, int] = {}
-    for i, r in enumerate(records):
-        last[r["step"]] = i  # a step replayed after a rollback or resume: the last one counts
-    kept = sorted(last.values(), key=lambda i: records[i]["step"])
-    dropped = sorted(set(range(len(records))) - set(kept))
+    # a step replayed after a rollback or resume: the last row counts, the others are abandoned
+    kept_rows, dropped_rows = final_timeline(np.array([r["step"] for r in records], dtype=np.int64))
+    kept, dropped = kept_rows.tolist(), dropped_rows.tolist()
     steps = np.array([records[i]["step"] for i in kept], dtype=np.int64)
     columns = {
         name: np.array([_number(records[i].get(name)) for i in kept])
@@ -175,13 +187,7 @@ def _run_dir(p: Path) -> RunRecord:
             norms[row, c] = _number(records[i]["group_grad_norms"].get(name))
     events: list[dict[str, Any]] = []
     if (p / "events.jsonl").is_file():
-        lines = _read_lines(p / "events.jsonl", warnings, exact=False)
-        events = [e for e in lines if _is_event(e)]
-        if len(events) < len(lines):
-            warnings.append(
-                f"passed over {len(lines) - len(events)} line(s) of events.jsonl that are not "
-                "events (a string kind, an integer step, a known severity)"
-            )
+        events = recorded_events(p / "events.jsonl", warnings)
     config: dict[str, Any] = {}
     if (p / "config.json").is_file():
         text = (p / "config.json").read_text(encoding="utf-8", errors="replace")

@@ -3,11 +3,38 @@
 from __future__ import annotations
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from trainguard.config import OverflowConfig
 from trainguard.detectors.base import Detector, MetricPoint, fmt
 from trainguard.detectors.series import MetricSeries, first_true
 from trainguard.events import Event
+
+UNMOVED_REL = 0.1  # an overflow row's loss is at most this much over the recent losses' maximum
+UNMOVED_POINTS = 8  # the finite losses before a row that it is held against
+
+
+def inferred_overflow(loss: np.ndarray, grad_norm: np.ndarray | None) -> np.ndarray | None:
+    """The rows of a log that read as fp16 overflow steps a GradScaler skipped: an infinite grad
+    norm while the loss is finite and has not moved (at most `UNMOVED_REL` over the largest of
+    the `UNMOVED_POINTS` finite losses before it). A log has no overflow flag of its own; with
+    this one, such a row is `fp16_overflow` (info), critical only once overflow persists or the
+    loss scale collapses, as in a live run. None when the log has no grad norm."""
+    if grad_norm is None:
+        return None
+    candidates: np.ndarray = np.isinf(grad_norm) & np.isfinite(loss)
+    if not candidates.any():
+        return candidates
+    idx = np.flatnonzero(np.isfinite(loss))
+    v = loss[idx]
+    padded = np.concatenate((np.full(UNMOVED_POINTS, -np.inf), v))
+    recent = sliding_window_view(padded, UNMOVED_POINTS)[: len(v)].max(axis=1)  # before each
+    with np.errstate(invalid="ignore", over="ignore"):  # no loss before the first rows
+        limit = np.where(np.isfinite(recent), recent + UNMOVED_REL * np.abs(recent), np.inf)
+    unmoved = np.zeros(len(loss), dtype=bool)
+    unmoved[idx] = v <= limit
+    out: np.ndarray = candidates & unmoved
+    return out
 
 
 class NonFiniteDetector(Detector):
@@ -87,5 +114,8 @@ class NonFiniteDetector(Detector):
         message = (
             f"fp16 overflow: the scaler skipped this step and lowers the loss scale "
             f"from {fmt(scale)}"
+            if scale is not None
+            else "fp16 overflow: the gradient norm is not finite while the loss did not move, "
+            "as when a loss scaler skips a step (the log has no loss scale to tell)"
         )
         return [self.event(point, "info", message, metrics, kind="fp16_overflow")]
