@@ -4,12 +4,12 @@ regimes trained for real on the CPU, and to real training logs.
 Each regime is trained clean (guarded) and through each of its planted faults, guarded and
 unguarded with the same seed: a toxic batch (garbage tokens with shuffled targets and scaled
 inputs, huge targets, or random labels), an LR burst (x100 for 5 optimizer steps), a NaN (in the
-inputs, or in the loss where the inputs are tokens a hook cannot reach) and corrupted weights (the
-last linear layer's weights x1000). Faults sit at 40% of the run. Per run: rollbacks, halts,
-quarantined batches and samples, skips (from the run's own `metrics.jsonl`, `events.jsonl` and
-`quarantine*.jsonl`), warnings and criticals by kind, whether the fault was caught (an event of
-warning or worse, or a skip, rollback or halt, from the fault's first step to CATCH_WINDOW steps
-after its last) and the held-out loss at the end.
+inputs, the LMs' token embeddings; in the loss for the HF Trainer and Lightning) and corrupted
+weights (the last linear layer's weights x1000). Faults sit at 40% of the run. Per run:
+rollbacks, halts, quarantined batches and samples, skips (from the run's own `metrics.jsonl`,
+`events.jsonl` and `quarantine*.jsonl`), warnings and criticals by kind, whether the fault was
+caught (an event of warning or worse, or a skip, rollback or halt, from the fault's first step
+to CATCH_WINDOW steps after its last) and the held-out loss at the end.
 
 Split: regimes alternate into a tuning and a held-out half in list order (even index: tuning);
 seeds too (even: tuning). The tuning half is an even seed on a tuning regime: only there may
@@ -18,7 +18,8 @@ the targets are judged on:
 
 - no rollback, halt or quarantine on any clean run;
 - at most 1 skip per 10,000 clean steps (summed over the clean runs);
-- at least 95% of planted faults caught;
+- at least 95% of planted faults caught (shown too: of those that hurt the unguarded run by
+  more than 2%; a fault a fitted classifier shrugs off is planted all the same);
 - every guarded faulty run within 2% of its clean run's held-out loss, and never more than 1%
   worse than the unguarded run (a non-finite unguarded run counts as the guarded one better).
 
@@ -28,11 +29,16 @@ event of warning or worse, `Guard.observe` replays the log up to it and counts t
 skips, rollbacks, halts and quarantines. With a `labels.json` there (`{file: {"healthy": bool,
 "instabilities": [[start, end], ...], "half": "tune"|"held_out"}}`), a healthy file's target is
 no would-be rollback, halt or quarantine and no warning outside its labelled instabilities, and
-the share of labelled instabilities with an event is reported; unlabelled files are listed
-apart. A file's half is its label's, else the sha256 rule (docs: the held-out split).
+the share of labelled instabilities with an event is reported; a warning on a labelled
+single-row outlier is allowed, an action there is not; an event up to LOG_SLACK_ROWS logged rows
+after a labelled span belongs to it; unlabelled files are listed apart. A file's half is its
+label's, else the sha256 rule of the held-out split.
 
 Run: python benchmarks/trust.py [--seeds 0 1] [--regimes NAME ...] [--quick] [--curves DIR]
-[--out FILE.json] [--no-write]
+[--jobs 2] [--out FILE.json] [--no-write]; `--report FILE.json ...` renders saved runs again
+(a later file's runs of a regime and seed replace an earlier one's), `--logs-only` judges only
+the logs. The default (16 regimes, seeds 0 and 1, 2 worker processes) takes about 17 minutes of
+CPU time, so about 10 minutes on an idle 2-core machine.
 """
 
 from __future__ import annotations
@@ -216,19 +222,15 @@ def tabular_setup(
     width: int = 64,
     lr: float = 1e-3,
 ) -> Setup:
-    """An MLP on 16 features: regression on a random teacher MLP (`noise` on the targets:
+    """An MLP on 16 features: regression on a random linear teacher (`noise` on the targets:
     with 0 its loss goes near zero) or classification of 8 well-separated clusters."""
     g = torch.Generator().manual_seed(10_000 + seed)
     n_train = batch * (steps + steps // 5 + 20)
     if task == "regression":
-        teacher = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
-        torch.manual_seed(77)
-        for p in teacher.parameters():
-            nn.init.normal_(p, std=0.5)
+        w = torch.randn(16, 1, generator=torch.Generator().manual_seed(77)) / 4.0
 
         def targets(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-            with torch.no_grad():
-                clean = teacher(x)
+            clean = x @ w  # a linear teacher: the MLP fits it to a loss near zero
             return clean + noise * torch.randn(clean.shape, generator=gen)
 
         x_train = torch.randn(n_train, 16, generator=g)
@@ -954,6 +956,7 @@ class Comparison:
     within_clean: bool
     not_worse: bool
     guarded_actions: str
+    harmful: bool  # the unguarded run ended more than 2% worse than clean, or not finite
 
 
 def compare(results: list[RunResult], half_of: Callable[[str, int], str]) -> list[Comparison]:
@@ -995,6 +998,7 @@ def compare(results: list[RunResult], half_of: Callable[[str, int], str]) -> lis
                 math.isfinite(vs_clean) and vs_clean <= CLEAN_MARGIN,
                 not_worse and math.isfinite(r.eval_loss),
                 actions or "-",
+                not math.isfinite(u) or relative(u, c) > CLEAN_MARGIN,
             )
         )
     return out
@@ -1010,6 +1014,7 @@ def targets(results: list[RunResult], comparisons: list[Comparison]) -> dict[str
     caught = sum(c.caught for c in comparisons)
     share = caught / len(comparisons) if comparisons else 1.0
     near = [c for c in comparisons if c.within_clean and c.not_worse]
+    harmful = [c for c in comparisons if c.harmful]
     return {
         "clean runs": len(clean),
         "clean runs with a rollback, halt or quarantine": [f"{r.regime}/s{r.seed}" for r in acted],
@@ -1022,6 +1027,8 @@ def targets(results: list[RunResult], comparisons: list[Comparison]) -> dict[str
         "faults caught": caught,
         "caught share": share,
         "caught >= 95%": share >= CAUGHT_SHARE,
+        "harmful faults": len(harmful),
+        "harmful faults caught": sum(c.caught for c in harmful),
         "guarded faulty runs near clean and not worse": len(near),
         "within 2% of clean and <= 1% worse than unguarded": len(near) == len(comparisons),
         "within 2% of clean": sum(c.within_clean for c in comparisons),
@@ -1118,7 +1125,11 @@ def judge_logs(folder: Path) -> list[dict[str, Any]]:
     rows = []
     for path in sorted(folder.glob("*.csv")):
         label = labels.get(path.name) or labels.get(path.stem)
-        rows.append(judge_log(path, label))
+        row = judge_log(path, label)
+        row["folder"] = str(folder)
+        with contextlib.suppress(ValueError):
+            row["folder"] = str(folder.resolve().relative_to(ROOT))
+        rows.append(row)
     return rows
 
 
@@ -1154,7 +1165,9 @@ def half_report(title: str, results: list[RunResult], comparisons: list[Comparis
         f"- at most 1 skip per 10,000 clean steps: {verdict(t['skips within 1 per 10k'])} "
         f"({t['clean skips']} skips, {t['clean skips per 10k steps']:.1f} per 10k)",
         f"- at least 95% of planted faults caught: {verdict(t['caught >= 95%'])} "
-        f"({t['faults caught']} of {t['faults']}, {100 * t['caught share']:.0f}%)",
+        f"({t['faults caught']} of {t['faults']}, {100 * t['caught share']:.0f}%; of the "
+        f"{t['harmful faults']} that hurt the unguarded run by more than 2%: "
+        f"{t['harmful faults caught']} caught)",
         f"- every guarded faulty run within 2% of clean and at most 1% worse than unguarded: "
         f"{verdict(t['within 2% of clean and <= 1% worse than unguarded'])} "
         f"({t['guarded faulty runs near clean and not worse']} of {t['faults']}; within 2%: "
@@ -1222,13 +1235,13 @@ def report(
         "",
         "Faulty runs (held-out loss at the end: guarded clean, guarded faulty, unguarded faulty):",
         "",
-        "| regime | seed | half | fault | caught | guarded did | clean | guarded | unguarded | "
-        "vs clean | vs unguarded | ok |",
-        "|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---|",
+        "| regime | seed | half | fault | hurts unguarded | caught | guarded did | clean | guarded "
+        "| unguarded | vs clean | vs unguarded | ok |",
+        "|---|---:|---|---|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for c in comparisons:
         lines.append(
-            f"| {c.regime} | {c.seed} | {c.half} | {c.fault} | "
+            f"| {c.regime} | {c.seed} | {c.half} | {c.fault} | {'yes' if c.harmful else 'no'} | "
             f"{c.caught_by if c.caught else 'missed'} | {c.guarded_actions} | {fmt(c.clean)} | "
             f"{fmt(c.guarded)} | {fmt(c.unguarded)} | {pct(c.vs_clean)} | "
             f"{pct(c.vs_unguarded)} | {'yes' if c.within_clean and c.not_worse else 'no'} |"
@@ -1251,16 +1264,22 @@ def report(
 def logs_report(logs: list[dict[str, Any]]) -> list[str]:
     if not logs:
         return ["Real logs: none found."]
+    folders = sorted({str(r["folder"]) for r in logs if "folder" in r})
     lines = [
-        "Real logs (`analyze` with the default config; would-be actions from `Guard.observe`):",
+        "Real logs"
+        + (f" in {', '.join(f'`{f}`' for f in folders)}" if folders else "")
+        + " (`analyze` with the default config; would-be actions from `Guard.observe`; an event "
+        f"up to {LOG_SLACK_ROWS} logged rows after a labelled span belongs to it; a warning on "
+        "a labelled single-row outlier is allowed, an action there is not):",
         "",
         "| file | half | label | steps | warnings and criticals | would-be skips / rollbacks / "
-        "halts / quarantines | outside instabilities | instabilities found | target |",
-        "|---|---|---|---:|---|---|---:|---:|---|",
+        "halts / quarantines | warnings on outliers | warnings elsewhere | instabilities found "
+        "| target |",
+        "|---|---|---|---:|---|---|---:|---:|---:|---|",
     ]
     for row in logs:
         if "error" in row:
-            lines.append(f"| {row['file']} | {row['half']} | - | - | error: {row['error']} |||||")
+            lines.append(f"| {row['file']} | {row['half']} | - | - | error: {row['error']} ||||||")
             continue
         wb = row["would_be"]
         label = "-" if not row["labelled"] else ("healthy" if row["healthy"] else "unstable")
@@ -1269,6 +1288,7 @@ def logs_report(logs: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {row['file']} | {row['half']} | {label} | {row['steps']:,} | {warn} | "
             f"{wb['skip']} / {wb['rollback']} / {wb['halt']} / {wb['quarantine']} | "
+            f"{row.get('warnings on outliers', '-')} | "
             f"{row.get('warnings outside instabilities', '-')} | "
             + (
                 f"{row['instabilities found']} of {row['instabilities']}"
@@ -1327,7 +1347,12 @@ def main() -> None:
     parser.add_argument("--curves", default=None, help="the folder of real logs (or TRUST_CURVES)")
     parser.add_argument("--no-logs", action="store_true", help="judge no real logs")
     parser.add_argument("--logs-only", action="store_true", help="judge only the real logs")
-    parser.add_argument("--report", default=None, help="render a saved --out file again")
+    parser.add_argument("--report", nargs="+", default=None, help="render saved --out files")
+    parser.add_argument("--note", default="", help="a line to put above the figures")
+    parser.add_argument(
+        "--command", default="python benchmarks/trust.py", help="with --report: what was run"
+    )
+    parser.add_argument("--logs-from", default=None, help="with --report: the logs of this --out")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (2 cores: 2)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--no-write", action="store_true", help="leave RESULTS.md alone")
@@ -1340,15 +1365,34 @@ def main() -> None:
     if args.logs_only:
         regimes = []
     if args.report:
-        saved = json.loads(Path(args.report).read_text())
+        files = [json.loads(Path(f).read_text()) for f in args.report]
+        names = {n for f in files for n in f["regimes"]}
+        runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        for f in files:  # a later file's runs of a regime and seed replace an earlier one's
+            fresh: dict[tuple[str, int], list[dict[str, Any]]] = {}
+            for r in f["runs"]:
+                fresh.setdefault((r["regime"], r["seed"]), []).append(r)
+            runs.update(fresh)
+        saved = {
+            "runs": [
+                r for n in REGIMES for key, rs in runs.items() if key[0] == n.name for r in rs
+            ],
+            "logs": [row for f in files for row in f["logs"]],
+            "seconds": sum(f["seconds"] for f in files),
+            "seeds": sorted({s for f in files for s in f["seeds"]}),
+            "regimes": [r.name for r in REGIMES if r.name in names],
+        }
         results = [RunResult(**r) for r in saved["runs"]]
+        if args.logs_from:
+            saved["logs"] = json.loads(Path(args.logs_from).read_text())["logs"]
         regimes = [by_name(n) for n in saved["regimes"]]
         text = report(results, saved["logs"], regimes, saved["seeds"], saved["seconds"], False)
+        text = f"{args.note}\n\n{text}" if args.note else text
         print(text)
         if not args.no_write:
             from _common import write_section
 
-            write_section("trust", TITLE, text, "python benchmarks/trust.py")
+            write_section("trust", TITLE, text, args.command)
         return
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -1356,6 +1400,20 @@ def main() -> None:
     done: dict[tuple[str, int], list[RunResult]] = {}
     local = [t for t in tasks if by_name(t[0]).runner == "ddp" or args.jobs <= 1]
     pooled = [t for t in tasks if t not in local]
+
+    def save(logs: list[dict[str, Any]]) -> None:
+        """The runs so far (after every regime and seed, so a stopped run keeps them)."""
+        if not args.out:
+            return
+        payload = {
+            "runs": [dataclasses.asdict(r) for t in tasks if t[:2] in done for r in done[t[:2]]],
+            "logs": logs,
+            "seconds": time.perf_counter() - start,
+            "seeds": args.seeds,
+            "regimes": [r.name for r in regimes if any(t[0] == r.name for t in done)],
+        }
+        Path(args.out).write_text(json.dumps(payload, indent=1, default=str))
+
     if pooled:
         import multiprocessing
 
@@ -1363,23 +1421,18 @@ def main() -> None:
             for task, rs in zip(pooled, pool.imap(run_task, pooled), strict=True):
                 done[task[:2]] = rs
                 progress(task, rs)
+                save([])
     for task in local:  # DDP spawns its own ranks: never inside the pool
         done[task[:2]] = rs = run_task(task)
         progress(task, rs)
+        save([])
     results = [r for task in tasks for r in done[task[:2]]]
     logs = [] if args.no_logs else judge_logs(curves_dir(args.curves))
     seconds = time.perf_counter() - start
+    save(logs)
     text = report(results, logs, regimes, args.seeds, seconds, args.quick)
+    text = f"{args.note}\n\n{text}" if args.note else text
     print(text)
-    if args.out:
-        payload = {
-            "runs": [dataclasses.asdict(r) for r in results],
-            "logs": logs,
-            "seconds": seconds,
-            "seeds": args.seeds,
-            "regimes": [r.name for r in regimes],
-        }
-        Path(args.out).write_text(json.dumps(payload, indent=1, default=str))
     full = args.regimes is None and not args.quick and not args.logs_only
     if not args.no_write and full:
         from _common import write_section

@@ -18,12 +18,12 @@ import trust
 
 SEED = 1  # a held-out seed
 CASES = [
-    # the short run: a 300-step LM through an LR x100 burst at step 120, and a NaN batch
-    ("short-300", ("lr_burst", "nan"), False),
-    # a regression whose loss nears zero: the clean run must be left alone; a toxic batch
+    # the short run: a 300-step LM through an LR x100 burst at step 120
+    ("short-300", ("lr_burst",), False),
+    # a regression whose loss nears zero (at 300 steps): left alone clean; a toxic batch
     ("mse-exact", ("toxic",), True),
-    # a classifier that fits its data, through corrupted weights
-    ("classifier", ("corrupt",), True),
+    # noisy targets (300 steps): left alone clean; a NaN in the inputs
+    ("mse-noisy", ("nan",), True),
 ]
 
 
