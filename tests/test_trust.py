@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -30,7 +31,12 @@ CASES = [
 @pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
 def judged(request: pytest.FixtureRequest) -> tuple[list, list, dict]:
     name, faults, quick = request.param
-    results = trust.run_regime(trust.by_name(name), SEED, quick=quick, faults=faults)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread is faster, and the same on any machine
+    try:
+        results = trust.run_regime(trust.by_name(name), SEED, quick=quick, faults=faults)
+    finally:
+        torch.set_num_threads(threads)
     comparisons = trust.compare(results, lambda regime, seed: "held_out")
     return results, comparisons, trust.targets(results, comparisons)
 
