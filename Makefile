@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/alerts.py
 	$(BIN)/python benchmarks/detection.py
 	$(BIN)/python benchmarks/faults.py
+	$(BIN)/python benchmarks/trust.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
