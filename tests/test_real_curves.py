@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import os
 from pathlib import Path
 
 import pytest
 
 import trainguard as tg
+from trainguard.analysis import read_log
 from trainguard.detectors import DetectorSuite, MetricPoint
 
 CURVES = Path(
@@ -59,3 +61,39 @@ def test_healthy_megatron_gpt3_run_is_quiet():
     assert [
         e for e in run_suite("megatron-gpt3-15b-release-h100-dev.csv") if e.severity != "info"
     ] == []
+
+
+def tuning_half(name: str) -> bool:
+    """The held-out split of the real curves: thresholds are tuned on this half only."""
+    return int(hashlib.sha256(name.encode()).hexdigest(), 16) % 2 == 0
+
+
+# The tuning half of data/curves and the instabilities its SOURCES.md describes (step ranges);
+# everything else in these healthy runs must raise no warning at all.
+DOCUMENTED = {
+    "megatron-deepseekv3proxy-release-h100-dev.csv": [],
+    "megatron-gpt3-15b-release-h100-dev.csv": [],
+    "megatron-t5-release-h100-dev.csv": [],
+    "mngpt-llmc-gpt2-124m.csv": [],  # grad norm outliers up to 7.4x its median, loss unmoved
+    "mngpt-valueembed-51faed93.csv": [(918, 946)],
+    "pythia-160m-seed8.csv": [(1197, 1231)],
+    "rig-500m-bs128-s1337.csv": [],
+    "rig-500m-bs128-s1339.csv": [(5442, 5550)],
+    "rig-500m-bs256-s1339.csv": [(4414, 5150)],
+}
+
+
+def test_the_documented_files_are_the_tuning_half():
+    names = {p.name for p in CURVES.glob("*.csv")}
+    assert {n for n in names if tuning_half(n)} == set(DOCUMENTED)
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED))
+def test_real_runs_of_the_tuning_half_warn_only_at_their_documented_instabilities(name):
+    events = DetectorSuite(tg.GuardConfig()).run(read_log(CURVES / name).series())
+    warned = [(e.step, e.kind) for e in events if e.severity != "info"]
+    spans = DOCUMENTED[name]
+    assert all(any(a <= step <= b for a, b in spans) for step, _ in warned), warned
+    for a, b in spans:  # a visible instability taller than 1.5x is still found
+        if name.startswith(("pythia", "rig")):
+            assert any(a <= step <= b and kind == "loss_spike" for step, kind in warned), warned
