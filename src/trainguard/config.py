@@ -146,7 +146,8 @@ class DivergenceConfig(_Section):
 
 
 class OscillationConfig(_Section):
-    """Periodic loss swings whose amplitude grows."""
+    """Periodic loss swings whose amplitude grows: already swinging (`min_acf`) in the earlier half
+    of the window and still growing within the later half: a data bump that starts is no swing."""
 
     enabled: bool = True
     window: int = Field(200, ge=32)
