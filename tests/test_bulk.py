@@ -96,7 +96,8 @@ def test_a_tight_config_with_many_events():
     config = tg.GuardConfig.from_dict(
         {
             "loss_spike": {"z_threshold": 4, "window": 40, "noise_horizon": 50},
-            "grad_spike": {"ratio_threshold": 1.3},
+            # no tail nor log-scale floor: the bare ratio, for many events
+            "grad_spike": {"ratio_threshold": 1.3, "reach_steps": 100, "min_log_z": 0},
             "oscillation": {"growth": 1.1, "min_acf": 0.2},
             "divergence": {"window": 100, "z_threshold": 2},
         }

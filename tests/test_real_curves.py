@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import csv
+import hashlib
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import trainguard as tg
+from trainguard.analysis import read_log
 from trainguard.detectors import DetectorSuite, MetricPoint
 
 CURVES = Path(
@@ -87,3 +91,30 @@ def test_labels_index_every_curve_and_each_parses_and_has_its_source():
         assert repo.count("/") == 1 and len(rest.split(":", 1)[0]) == 40, label["source"]
         even = int(hashlib.sha256(name.encode()).hexdigest(), 16) % 2 == 0
         assert label["half"] == ("tune" if even else "held_out"), name
+
+
+def tuning_half(name: str) -> bool:
+    """The held-out split of the real curves: thresholds are tuned on this half only."""
+    return int(hashlib.sha256(name.encode()).hexdigest(), 16) % 2 == 0
+
+
+def labels() -> dict[str, dict[str, Any]]:
+    loaded: dict[str, dict[str, Any]] = json.loads((CURVES / "labels.json").read_text())
+    return loaded
+
+
+TUNING_HALF = sorted(n for n in labels() if tuning_half(n))
+
+
+@pytest.mark.parametrize("name", TUNING_HALF)
+def test_real_runs_of_the_tuning_half_warn_only_at_their_labelled_instabilities(name):
+    """Healthy real runs raise no warning; a labelled instability (a span of steps) or a
+    labelled single-row outlier may warn, and a visible instability of pythia/rig is found."""
+    label = labels()[name]
+    events = DetectorSuite(tg.GuardConfig()).run(read_log(CURVES / name).series())
+    warned = [(e.step, e.kind) for e in events if e.severity != "info"]
+    spans = [tuple(s) for s in label["instabilities"] + label.get("outliers", [])]
+    assert all(any(a <= step <= b for a, b in spans) for step, _ in warned), warned
+    for a, b in label["instabilities"]:  # a visible instability taller than 1.5x is still found
+        if name.startswith(("pythia", "rig")):
+            assert any(a <= step <= b and kind == "loss_spike" for step, kind in warned), warned

@@ -42,7 +42,18 @@ class LossSpikeConfig(_Section):
         0.05, ge=0, description="A z-score spike must also exceed the level by this fraction."
     )
     ratio_threshold: float = Field(2.0, gt=1, description="Loss over this x the baseline mean.")
-    level_window: int = Field(5, ge=1, description="Latest losses whose median is the level.")
+    ratio_min_z: float = Field(
+        5.0,
+        ge=0,
+        description="The ratio rule also needs the loss this many noise standard deviations over"
+        " its level: a doubling alone is no evidence where the loss nears zero.",
+    )
+    level_window: int = Field(
+        5,
+        ge=1,
+        description="Latest losses whose median is the level; it is never under the median of"
+        " 4x as many, moved on by the drift, so a short dip does not drag it down.",
+    )
     classify_window: int = Field(
         5, ge=1, description="Steps watched after a spike before its type is revised."
     )
@@ -74,7 +85,21 @@ class GradSpikeConfig(_Section):
     enabled: bool = True
     window: int = Field(100, ge=4)
     warmup: int = Field(20, ge=2)
-    ratio_threshold: float = Field(5.0, gt=1, description="Grad norm over this x recent mean.")
+    ratio_threshold: float = Field(
+        5.0, gt=1, description="Grad norm over this x the median of recent non-spike norms."
+    )
+    reach_steps: int = Field(
+        200_000,
+        ge=100,
+        description="The grad norm must also clear what the run's own grad-norm outliers reach"
+        " once in this many steps (a power-law tail read from the run).",
+    )
+    min_log_z: float = Field(
+        4.5,
+        ge=0,
+        description="And this many robust deviations (MAD) of the recent log grad norms over"
+        " their median: noise evidence while few outliers are counted.",
+    )
     abs_limit: float | None = Field(None, gt=0, description="Absolute grad-norm limit; off.")
 
 
@@ -121,7 +146,8 @@ class DivergenceConfig(_Section):
 
 
 class OscillationConfig(_Section):
-    """Periodic loss swings whose amplitude grows."""
+    """Periodic loss swings whose amplitude grows: already swinging (`min_acf`) in the earlier half
+    of the window and still growing within the later half: a data bump that starts is no swing."""
 
     enabled: bool = True
     window: int = Field(200, ge=32)

@@ -15,10 +15,10 @@ from trainguard.detectors.base import Detector, MetricPoint, SpikeRun, StatePart
 from trainguard.detectors.series import (
     MetricSeries,
     first_true,
+    rolling_median,
     stop_at,
-    trailing_means,
 )
-from trainguard.detectors.stats import mean, median
+from trainguard.detectors.stats import MAD_TO_SIGMA, median
 from trainguard.events import Event, Severity
 
 
@@ -74,19 +74,40 @@ class GroupHistory(StateParts):
         return {"group": name, "since_step": int(step), "ratio": ratio}
 
 
+EXCESS_BIN = 0.02  # width of the bins of a grad norm's excess over its level (g / level - 1)
+EXCESS_BINS = 1000  # up to 20x the level; further in the top bin
+TAIL_SAMPLES = 200  # excesses counted before the grad norm's own tail is first read
+RECOUNT_EVERY = 100  # counts between re-reads of the tail
+FORGET_AT = 20_000  # counts at which the old ones are halved, so the tail follows the run
+TAIL_SHARE = 1e-3  # the tail is read at this share beyond (or 10 counts, when fewer are in)
+TAIL_SPAN = 10.0  # and at ten times that share, further in
+MAX_POWER = 0.5  # the reach grows at most as a tail this heavy would
+LOG_FLOOR = 1e-300  # grad norms of 0 are read as this in log scale
+
+
 class GradSpikeDetector(Detector):
-    """Global gradient norm over `ratio_threshold` x the mean of recent non-spike norms, or over
-    `abs_limit`. One event per incident; a norm that stays high for a quarter of the window is
-    taken as the new level."""
+    """Global gradient norm over `ratio_threshold` x the median of recent non-spike norms, over
+    what the run's own grad-norm outliers reach once in `reach_steps` steps, and `min_log_z`
+    robust deviations of log norm over it; or over `abs_limit`. One event per incident; a norm
+    that stays high for a quarter of the window is taken as the new level."""
+
+    # The reach is read as the loss rule reads its noise's: a power law through two upper
+    # quantiles of the excesses g / level - 1 of past non-spike steps (at a 1e-3 share beyond, or
+    # 10 counts while fewer than 10,000 are in, and ten times further in), extrapolated to a share
+    # 1 / reach_steps. So a run whose grad norm routinely jumps 6x is not flagged at 6x, while an
+    # LR burst, 20x and more, is.
 
     name = "grad_spike"
-    _state = ("window", "run", "groups")
+    _state = ("window", "run", "groups", "excess_hist", "excess_total", "reach")
 
     def __init__(self, config: GradSpikeConfig | None = None) -> None:
         self.config = config or GradSpikeConfig()
         self.window: deque[float] = deque(maxlen=self.config.window)
         self.run = SpikeRun(max(self.config.window // 4, 2))
         self.groups = GroupHistory()
+        self.excess_hist: list[float] = [0.0] * EXCESS_BINS
+        self.excess_total = 0.0
+        self.reach = 0.0  # the excess the run's own outliers reach; 0 until it is read
 
     def update(self, point: MetricPoint) -> list[Event]:
         g = _finite_grad(point)
@@ -94,13 +115,20 @@ class GradSpikeDetector(Detector):
             return []
         self.groups.update(point)
         cfg = self.config
-        base = mean(list(self.window)) if len(self.window) >= cfg.warmup else None
-        ratio = g / base if base else None
-        over_ratio = ratio is not None and ratio > cfg.ratio_threshold
+        armed = len(self.window) >= cfg.warmup
+        level = median(list(self.window)) if armed else None
+        ratio = g / level if level is not None and level > 0 else None
+        limit = None
+        if ratio is not None and ratio > cfg.ratio_threshold:
+            logs = np.log(np.maximum(np.asarray(self.window, dtype=np.float64), LOG_FLOOR))
+            limit = float(self._limits(logs[None, :])[0])
+        over_ratio = limit is not None and ratio is not None and ratio > limit
         over_abs = cfg.abs_limit is not None and g > cfg.abs_limit
         if not (over_ratio or over_abs):
             self.run.end()
             self.window.append(g)
+            if ratio is not None:
+                self._count(ratio - 1.0)
             return []
         if self.run.active:
             new_level = self.run.extend(g)
@@ -112,13 +140,17 @@ class GradSpikeDetector(Detector):
             return []
         self.run.start(g)
         if over_ratio:
-            message = f"gradient norm {fmt(g)} is {fmt(ratio)}x its recent mean {fmt(base)}"
+            message = (
+                f"gradient norm {fmt(g)} is {fmt(ratio)}x its recent median {fmt(level)}, "
+                f"over the {fmt(limit)}x its own outliers reach"
+            )
         else:
             message = f"gradient norm {fmt(g)} is over the absolute limit {fmt(cfg.abs_limit)}"
         metrics: dict[str, Any] = {
             "grad_norm": g,
-            "baseline_mean": base,
+            "baseline_median": level,
             "ratio": ratio,
+            "ratio_limit": limit,
             "abs_limit": cfg.abs_limit,
         }
         first = self.groups.first_mover()
@@ -130,26 +162,100 @@ class GradSpikeDetector(Detector):
             )
         return [self.event(point, "warning", message, metrics)]
 
+    def _limits(self, log_rows: np.ndarray) -> np.ndarray:
+        """The ratio over the level a grad norm must pass, for windows of log grad norms: the
+        configured ratio, the run's own reach, and `min_log_z` robust deviations in log scale."""
+        centre = np.median(log_rows, axis=1, keepdims=True)
+        spread = MAD_TO_SIGMA * np.median(np.abs(log_rows - centre), axis=1)
+        with np.errstate(over="ignore"):
+            noise = np.exp(self.config.min_log_z * spread)
+        out: np.ndarray = np.maximum(max(self.config.ratio_threshold, 1.0 + self.reach), noise)
+        return out
+
+    def _count(self, excess: float) -> None:
+        """Count a non-spike step's excess over its level; re-read the tail now and then."""
+        self.excess_hist[_excess_bin(np.asarray(excess))] += 1.0
+        self.excess_total += 1.0
+        if self.excess_total >= FORGET_AT:
+            self.excess_hist = [c / 2 for c in self.excess_hist]
+            self.excess_total /= 2
+        if self.excess_total >= TAIL_SAMPLES and int(self.excess_total) % RECOUNT_EVERY == 0:
+            self.reach = self._reach()
+
+    def _reach(self) -> float:
+        """The excess the run's own outliers reach once in `reach_steps` steps: a power law
+        through two upper quantiles of the counted excesses."""
+        hist, total = np.asarray(self.excess_hist), self.excess_total
+        upper = max(TAIL_SHARE, 10.0 / total)
+        lower = min(TAIL_SPAN * upper, 0.5)
+        q_hi = _upper_quantile(hist, total, upper)
+        q_lo = _upper_quantile(hist, total, lower)
+        if q_lo <= 0 or q_hi <= q_lo:
+            return q_hi
+        power = min(math.log(q_hi / q_lo) / math.log(lower / upper), MAX_POWER)
+        return float(q_hi * (upper * self.config.reach_steps) ** power)
+
     def advance(self, series: MetricSeries, start: int) -> int:
         chunk = _grad_chunk(series, start)
         if isinstance(chunk, int):
             return chunk
         idx, g = chunk
         cfg = self.config
-        held = len(self.window)
+        w = cfg.window
+        total = self.excess_total
+        if len(self.window) < w or w < cfg.warmup or total != int(total):
+            return start  # the window fills (or an odd count) step by step
         v = np.concatenate((np.asarray(self.window, dtype=np.float64), g))
-        base = trailing_means(v, held, cfg.window)
-        armed = np.minimum(np.arange(held, len(v)), cfg.window) >= cfg.warmup
+        level = rolling_median(v[:-1], w)
         with np.errstate(divide="ignore", invalid="ignore"):
-            over = armed & (base != 0) & (g / base > cfg.ratio_threshold)
+            ratio = np.where(level > 0, g / level, np.nan)
+        counted = level > 0
+        over = np.zeros(len(g), dtype=bool)
+        high = np.flatnonzero(ratio > cfg.ratio_threshold)
+        if len(high):
+            logs = np.log(np.maximum(v, LOG_FLOOR))
+            rows = sliding_window_view(logs[:-1], w)[high]
+            over[high] = ratio[high] > self._limits(rows)
         if cfg.abs_limit is not None:
             over |= g > cfg.abs_limit
-        first = first_true(over)
+        # the step whose count re-reads the tail (or halves the counts) is left to `update`
+        after = int(total) + np.cumsum(counted)
+        recount = counted & (
+            ((after >= TAIL_SAMPLES) & (after % RECOUNT_EVERY == 0)) | (after >= FORGET_AT)
+        )
+        first = first_true(over | recount)
         f = len(g) if first is None else first
         if f > 0:
-            self.window.extend(g[:f][-cfg.window :].tolist())
+            self.window.extend(g[:f][-w:].tolist())
+            excess = ratio[:f][counted[:f]] - 1.0
+            added = np.bincount(_excess_bin(excess), minlength=EXCESS_BINS)
+            self.excess_hist = (np.asarray(self.excess_hist) + added).tolist()
+            self.excess_total = total + float(len(excess))
             self.run.end()
         return stop_at(idx, first, series, start)
+
+
+def _excess_bin(excess: np.ndarray) -> np.ndarray:
+    """The histogram bins of grad-norm excesses, one or many alike (a fall bins at 0)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        bins: np.ndarray = np.clip(np.floor(excess / EXCESS_BIN), 0, EXCESS_BINS - 1)
+    return bins.astype(np.int64)
+
+
+def _upper_quantile(hist: np.ndarray, total: float, beyond: float) -> float:
+    """The value with a share `beyond` of the histogram's counts above it, interpolated in its
+    bin (the open top bin reads as its lower edge)."""
+    target = beyond * total
+    from_top = np.cumsum(hist[::-1])
+    k = int(np.searchsorted(from_top, target, side="right"))
+    if k >= len(hist):
+        return 0.0
+    b = len(hist) - 1 - k
+    if b == len(hist) - 1:
+        return b * EXCESS_BIN
+    above = float(from_top[k - 1]) if k > 0 else 0.0
+    share = (target - above) / float(hist[b]) if hist[b] > 0 else 0.0
+    return float((b + 1 - share) * EXCESS_BIN)
 
 
 class GradExplosionDetector(Detector):

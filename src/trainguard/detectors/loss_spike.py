@@ -18,6 +18,7 @@ from trainguard.detectors.series import (
     first_true,
     noise_sigmas,
     rolling_median,
+    spread_sigmas,
     stop_at,
     trailing_means,
     warm_ema,
@@ -50,6 +51,10 @@ TAIL_SPAN = 10.0  # the lower quantile lies this many times further in than the 
 MAX_TAIL_POWER = 0.5  # the reach grows at most as a tail this heavy (Student-t, nu = 2) would
 MAX_REACH = 40.0  # noise standard deviations: the furthest the reach goes (Student-t nu=3: 35)
 NOISE_EVERY = 16  # steps between re-estimates of the recent noise (it moves slowly)
+LEVEL_SPAN = 4  # the long level is the median of this many times `level_window` losses
+SPREAD_CAP = 2.0  # the spread about a fitted quadratic raises the noise up to this x the other
+SPREAD_MIN = 1.25  # once it is this x the first differences' (correlated noise, not chance)
+# and the baseline is not swinging periodically: a swing is signal, judged apart (`_swing`)
 
 
 class _TailCounts:
@@ -186,24 +191,36 @@ class LossSpikeDetector(Detector):
             self._accept(loss, point.grad_norm, None)
             return events
         recent = list(self.window)
-        level = median(recent[-cfg.level_window :])
         base_mean = mean(recent)
         if self.noise_age % NOISE_EVERY == 0:
             self.short, self.drift = noise_and_drift(recent)
+            spread = float(spread_sigmas(np.asarray([recent], dtype=np.float64))[0])
+            if spread > SPREAD_MIN * self.short and self._swing(recent) is None:
+                self.short = min(spread, SPREAD_CAP * self.short)
         self.noise_age += 1
+        near = median(recent[-cfg.level_window :])  # the level the noise is measured from
+        level = near
+        span = self._long_window
+        if span > cfg.level_window:  # a short dip does not drag the level a spike is judged on
+            level = max(near, median(recent[-span:]) + self.drift * self._long_shift)
         short = self.short
         if self.noise_var is None:
             self.noise_var = short * short
         sigma = max(short, math.sqrt(self.noise_var))
         jump = loss - level
         z = jump / sigma if sigma > 0 else (math.inf if jump > 0 else 0.0)
-        # the deviation from where the drift has taken the level by now: the noise's own
-        below = (jump - self._lag * self.drift) / sigma if sigma > 0 else 0.0
+        # the noise's own deviations, from the near level, for its tails: the z of a baseline
+        # step, and how far below where the drift has taken the level by now it is
+        dev = loss - near
+        z_noise = dev / sigma if sigma > 0 else (math.inf if dev > 0 else 0.0)
+        below = (dev - self._lag * self.drift) / sigma if sigma > 0 else 0.0
         ratio = loss / base_mean if base_mean > 0 else math.nan
         threshold = max(cfg.z_threshold, self.reach)
         big = jump > cfg.min_rel_jump * abs(level)
         z_rule = z > threshold and big
-        ratio_rule = base_mean > 0 and loss > cfg.ratio_threshold * base_mean
+        ratio_rule = (
+            base_mean > 0 and loss > cfg.ratio_threshold * base_mean and z > cfg.ratio_min_z
+        )
         elevated = z > cfg.persist_z * self.tail and big
         if self.run.active:
             if z_rule or ratio_rule or z > 0.5 * cfg.persist_z * self.tail:  # not back yet
@@ -219,9 +236,9 @@ class LossSpikeDetector(Detector):
         if not (z_rule or ratio_rule):
             if not elevated:
                 self._release_pending()  # it was noise after all
-                self._accept(loss, point.grad_norm, z, below)
+                self._accept(loss, point.grad_norm, z_noise, below)
                 return events
-            self.pending.append([point.step, loss, point.grad_norm, z, below])
+            self.pending.append([point.step, loss, point.grad_norm, z_noise, below])
             if len(self.pending) < cfg.persist_steps:
                 return events
             swing = self._swing(list(self.window))
@@ -230,6 +247,7 @@ class LossSpikeDetector(Detector):
                 return events
         values = [p[1] for p in self.pending] + ([loss] if z_rule or ratio_rule else [])
         since = int(self.pending[0][0]) if self.pending else point.step
+        spike_grads = [p[2] for p in self.pending] + [point.grad_norm]
         self.pending.clear()
         self.run.start(values[0])
         for value in values[1:]:
@@ -237,8 +255,11 @@ class LossSpikeDetector(Detector):
         if self.watch is not None:
             events.append(self._finish(point))
         held = len(values)
-        spike_type, confidence, why = self._classify(point, held)
-        grad_mean = mean(list(self.grads)) if self.grads else None
+        grad_mean = median(list(self.grads)) if self.grads else None
+        known = [g for g in spike_grads if g is not None and math.isfinite(g)]
+        # the run's own grad norm: no explosion without a rise of it where it is known
+        grad_rose = None if not known or not grad_mean else max(known) > GRAD_HIGH * grad_mean
+        spike_type, confidence, why = self._classify(point, held, grad_rose)
         self.watch = {
             "step": point.step,
             "type": spike_type,
@@ -250,6 +271,7 @@ class LossSpikeDetector(Detector):
             "back_at": None,
             "back_steps": 0,
             "high_grad_steps": 0,
+            "grad_rose": grad_rose,
         }
         rule = "z-score" if z_rule else "ratio" if ratio_rule else "persistent"
         metrics = {
@@ -288,7 +310,6 @@ class LossSpikeDetector(Detector):
         if m == 0:
             return series.chunk_end(start)
         v = np.concatenate((np.asarray(self.window, dtype=np.float64), losses))
-        level = rolling_median(v[w - cfg.level_window : -1], cfg.level_window)
         base_mean = trailing_means(v, w, w)
         ages = self.noise_age + np.arange(m)
         refresh = np.flatnonzero(ages % NOISE_EVERY == 0)
@@ -297,9 +318,19 @@ class LossSpikeDetector(Detector):
         if len(refresh):
             rows = sliding_window_view(v[:-1], w)[refresh]
             fresh, fresh_drift = noise_sigmas(rows)
+            spread = spread_sigmas(rows)
+            for j in np.flatnonzero(spread > SPREAD_MIN * fresh).tolist():
+                if self._swing(rows[j].tolist()) is None:  # a swing's spread is no noise
+                    fresh[j] = min(float(spread[j]), SPREAD_CAP * float(fresh[j]))
             which = np.searchsorted(refresh, np.arange(m), side="right") - 1
             short = np.where(which >= 0, fresh[np.maximum(which, 0)], self.short)
             drift = np.where(which >= 0, fresh_drift[np.maximum(which, 0)], self.drift)
+        near = rolling_median(v[w - cfg.level_window : -1], cfg.level_window)
+        level = near
+        span = self._long_window
+        if span > cfg.level_window:
+            long = rolling_median(v[w - span : -1], span) + drift * self._long_shift
+            level = np.maximum(near, long)
         prev = np.concatenate(([self.last], losses[:-1]))
         diffs = losses - prev - drift
         noise_var = warm_ema(
@@ -309,15 +340,20 @@ class LossSpikeDetector(Detector):
         jump = losses - level
         with np.errstate(divide="ignore", invalid="ignore"):
             z = np.where(sigma > 0, jump / sigma, np.where(jump > 0, np.inf, 0.0))
-        counted = np.isfinite(z)
-        bins = np.minimum(np.abs(z[counted]) / Z_BIN, Z_BINS - 1).astype(np.int64)
+        dev = losses - near
         with np.errstate(divide="ignore", invalid="ignore"):
-            below = np.where(sigma > 0, (jump - self._lag * drift) / sigma, 0.0)
+            z_noise = np.where(sigma > 0, dev / sigma, np.where(dev > 0, np.inf, 0.0))
+        counted = np.isfinite(z_noise)
+        bins = np.minimum(np.abs(z_noise[counted]) / Z_BIN, Z_BINS - 1).astype(np.int64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            below = np.where(sigma > 0, (dev - self._lag * drift) / sigma, 0.0)
         before = np.concatenate(([0], np.cumsum(counted)))[:-1]  # counts before each step
         tails = _TailCounts(self, bins, _low_bin(below[counted]))
         if tails.totals is None:
             return start
-        ratio_rule = (base_mean > 0) & (losses > cfg.ratio_threshold * base_mean)
+        ratio_rule = (
+            (base_mean > 0) & (losses > cfg.ratio_threshold * base_mean) & (z > cfg.ratio_min_z)
+        )
         lowest = min(cfg.z_threshold, cfg.persist_z)  # a spike, or the first step of a lasting one
         # (each threshold only widens from these, so steps under `lowest` need no look)
         high = (z > lowest) & (jump > cfg.min_rel_jump * np.abs(level))
@@ -346,6 +382,16 @@ class LossSpikeDetector(Detector):
             g = series.grad_norm[idx[:f]]
             self.grads.extend(g[np.isfinite(g)][-w:].tolist())
         return stop_at(idx, first, series, start)
+
+    @property
+    def _long_window(self) -> int:
+        """Latest baseline losses whose median, moved on by the drift, is the long level."""
+        return min(LEVEL_SPAN * self.config.level_window, self.config.window)
+
+    @property
+    def _long_shift(self) -> float:
+        """Steps the long level lags the short one by: the drift moves it on by that many."""
+        return (self._long_window - self.config.level_window) / 2
 
     @property
     def _lag(self) -> float:
@@ -419,8 +465,11 @@ class LossSpikeDetector(Detector):
                 np.asarray(self.z_hist), self.z_total, np.asarray(self.low_hist)
             )
 
-    def _classify(self, point: MetricPoint, held: int = 1) -> tuple[SpikeType, float, str]:
-        """First guess of the cause from what came before the spike and how long it has held."""
+    def _classify(
+        self, point: MetricPoint, held: int = 1, grad_rose: bool | None = None
+    ) -> tuple[SpikeType, float, str]:
+        """First guess of the cause from what came before the spike and how long it has held;
+        never a gradient explosion when the grad norm is known (`grad_rose` not None) and flat."""
         recent = list(self.window)
         pre = recent[-TREND_SPAN:]
         trend = mann_kendall_z(pre)
@@ -439,7 +488,8 @@ class LossSpikeDetector(Detector):
                 f"the loss was swinging with period {period} steps (autocorrelation {acf:.2f})",
             )
         build_up = pre[-BUILD_UP:]
-        if len(build_up) == BUILD_UP and mann_kendall_z(build_up) > TREND_Z:
+        flat = grad_rose is False
+        if len(build_up) == BUILD_UP and mann_kendall_z(build_up) > TREND_Z and not flat:
             why = f"the loss was building up over the last {BUILD_UP} steps"
             return "gradient_explosion", 0.55, why
         grads = list(self.grads)
@@ -449,6 +499,9 @@ class LossSpikeDetector(Detector):
             rising = all(b > a for a, b in itertools.pairwise(last)) and point.grad_norm > last[-1]
             if base > 0 and rising and last[-1] > GRAD_HIGH * base:
                 return "gradient_explosion", 0.6, "the gradient norm was growing into the spike"
+        if held > 1 and flat:
+            why = f"the loss has stayed high for {held} steps while the gradient norm stayed flat"
+            return "architecture", 0.5, why
         if held > 1:
             return "gradient_explosion", 0.6, f"the loss has stayed high for {held} steps"
         return "data_toxicity", 0.5, "a sudden jump with no build-up, as one bad batch gives"
@@ -489,19 +542,25 @@ class LossSpikeDetector(Detector):
         old: SpikeType = w["type"]
         new: SpikeType = old
         confidence = float(w["confidence"])
+        # the grad norm known and flat through the spike and its follow-up: not an explosion
+        flat = w.get("grad_rose") is False and w["high_grad_steps"] == 0
         if back_at is not None and back_at <= 2 and back >= seen - 1 and w["high_grad_steps"] <= 1:
             new, confidence = "data_toxicity", 0.9
             why = f"the loss was back at its level {back_at} step(s) later"
         elif seen > 1 and w.get("gross_steps", 0) >= seen - 1 and old == "data_toxicity":
-            new, confidence = "gradient_explosion", 0.8
+            new, confidence = ("architecture", 0.6) if flat else ("gradient_explosion", 0.8)
             why = (
                 f"the loss stayed over {self.config.ratio_threshold:g}x its level for "
                 f"{w['gross_steps']} steps"
+                + (" while the gradient norm stayed flat" if flat else "")
             )
         elif seen > 0 and back == 0:
             if old in ("architecture", "optimizer"):
                 confidence = max(confidence, 0.75)
                 why = f"the loss stayed high for {seen} steps after a build-up"
+            elif flat:
+                new, confidence = "architecture", 0.6
+                why = f"the loss stayed high for {seen} steps while the gradient norm stayed flat"
             else:
                 new, confidence = "gradient_explosion", 0.85
                 why = f"the loss stayed high for {seen} steps"

@@ -172,3 +172,20 @@ def warm_ema(x: np.ndarray, start: float, count: int, horizon: int) -> np.ndarra
     if warm < len(x):
         out[warm:] = ema(x[warm:], float(out[warm]), 1.0 / horizon)
     return out
+
+
+def spread_sigmas(rows: np.ndarray) -> np.ndarray:
+    """The noise of each row from its spread about a fitted quadratic (the MAD of the residuals,
+    corrected for the three fitted terms): unlike first differences it does not shrink when the
+    noise is correlated from step to step (the data order of a real run), and unlike an RMS it
+    does not grow with heavy tails, which the tail estimates handle."""
+    n = rows.shape[1]
+    if n < 8:
+        return np.zeros(len(rows))
+    t = np.linspace(-1.0, 1.0, n)
+    basis = np.vstack((np.ones(n), t, t * t)).T
+    residuals = rows - (rows @ np.linalg.pinv(basis).T) @ basis.T
+    centre = np.median(residuals, axis=1, keepdims=True)
+    mad = np.median(np.abs(residuals - centre), axis=1)
+    out: np.ndarray = 1.4826 * mad * math.sqrt(n / (n - 3))
+    return out

@@ -245,8 +245,11 @@ def _lr_increased(lrs: list[float], factor: float = 1.5) -> bool:
 
 class OscillationDetector(Detector):
     """Periodic loss swings growing in amplitude: a clear autocorrelation peak in the detrended
-    loss, a later half swinging `growth` x wider than the earlier, and swings of at least
-    `min_rel_amplitude` of the loss level."""
+    loss, a later half swinging `growth` x wider than the earlier, swings of at least
+    `min_rel_amplitude` of the loss level, and the swing already there in the earlier half (its
+    own autocorrelation at the period): a periodic bump of the data that starts at some step is
+    a change, not a growing oscillation; and still growing within the later half, whole cycles
+    against whole cycles."""
 
     name = "oscillation"
     _state = ("window", "since_check", "cooldown")
@@ -293,6 +296,10 @@ class OscillationDetector(Detector):
         amplitude = late * math.sqrt(2.0)
         if early <= 0 or late / early < cfg.growth or amplitude < cfg.min_rel_amplitude * level:
             return None
+        if period > half // 2 or lag_correlation(residuals[:half], period) < cfg.min_acf:
+            return None  # no swing yet in the earlier half: it did not grow, it began
+        if not still_growing(residuals[half:], period):
+            return None  # it grew once and stays: a change of level, not a growing swing
         return {
             "period": period,
             "autocorrelation": acf,
@@ -331,6 +338,32 @@ class OscillationDetector(Detector):
             self.since_check = int(f - 1 - done[-1]) if len(done) else self.since_check + f
             self.cooldown = int(max(self.cooldown - f, 0))
         return stop_at(idx, first, series, start)
+
+
+def lag_correlation(values: np.ndarray, lag: int) -> float:
+    """The autocorrelation of a series at one lag, each product averaged over its own pairs."""
+    r = values - values.mean()
+    n = len(r)
+    energy = float(np.dot(r, r)) / n
+    if lag >= n or energy <= 0:
+        return 0.0
+    return float(np.dot(r[:-lag], r[lag:])) / (n - lag) / energy
+
+
+LATE_GROWTH = 1.1  # the last whole cycles of the later half swing this x wider than its first
+
+
+def still_growing(residuals: np.ndarray, period: int) -> bool:
+    """Whether the last half of the whole cycles in a stretch swing `LATE_GROWTH` x wider than
+    the first half (whole cycles, so a periodic bump counts the same in each)."""
+    cycles = len(residuals) // period
+    if cycles < 2:
+        return False
+    span = (cycles // 2) * period
+    whole = residuals[len(residuals) - cycles * period :]
+    first = float(np.sqrt(np.mean(whole[:span] ** 2)))
+    last = float(np.sqrt(np.mean(whole[-span:] ** 2)))
+    return last >= LATE_GROWTH * first
 
 
 def _may_swing(windows: np.ndarray, cfg: OscillationConfig) -> np.ndarray:
