@@ -17,10 +17,10 @@ from trainguard.actions import OptimizerActions
 from trainguard.actions.data import GuardedBatches, sized_skip
 from trainguard.actions.quarantine import Quarantine
 from trainguard.actions.snapshots import SnapshotRing
-from trainguard.config import RecoveryConfig
+from trainguard.config import PolicyConfig, RecoveryConfig
 from trainguard.detectors import MetricPoint
 from trainguard.detectors.base import Detector
-from trainguard.events import Event
+from trainguard.events import Decision, Event
 from trainguard.policy import StepPolicy
 
 from helpers import read_jsonl
@@ -109,10 +109,10 @@ def test_lr_cut_rides_on_top_of_the_schedule_and_rewarms():
     p = nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
-    actions = OptimizerActions(opt, sched, max_grad_norm=None, rewarm_steps=4)
+    actions = OptimizerActions(opt, sched, max_grad_norm=None)
     p.grad = torch.zeros(1)
     actions.step(0.0)  # schedule: 1/2
-    actions.cut_lr(0.5)
+    actions.cut_lr(0.5, rewarm_steps=4)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.25)
     lrs = []
     for _ in range(5):
@@ -122,6 +122,48 @@ def test_lr_cut_rides_on_top_of_the_schedule_and_rewarms():
     scale = [0.625, 0.75, 0.875, 1.0, 1.0]  # from 0.5 back to 1 over 4 steps
     assert lrs == pytest.approx([a * b for a, b in zip(schedule, scale, strict=True)])
     assert sched.get_last_lr()[0] == pytest.approx(1 / 7)  # the scheduler never saw our cut
+
+
+def test_a_kept_lr_cut_is_the_ceiling_a_later_rewarm_climbs_back_to():
+    p = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    actions = OptimizerActions(opt, None, max_grad_norm=None)
+    p.grad = torch.zeros(1)
+    actions.cut_lr(0.5)  # kept: a repeated incident
+    actions.step(0.0)
+    assert actions.lr_scale == pytest.approx(0.5)
+    actions.cut_lr(0.5, rewarm_steps=2)  # re-warms to 0.5, not to the schedule's 1.0
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.25)
+    actions.step(0.0)
+    actions.step(0.0)
+    actions.step(0.0)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5)
+    restored = OptimizerActions(opt, None, max_grad_norm=None)
+    restored.load_state_dict(actions.state_dict())
+    assert restored.lr_scale == pytest.approx(0.5) and restored.lr_ceiling == pytest.approx(0.5)
+
+
+def test_a_first_rollback_rewarms_its_lr_cut_and_a_repeat_keeps_it():
+    rec = RecoveryConfig(snapshot_every=10)
+    policy = StepPolicy(PolicyConfig(), rec)
+    assert policy.recovery.rewarm_steps == 20  # sized: 2x the snapshot interval
+
+    def explosion(step: int) -> Decision:
+        event = Event(
+            step=step, kind="loss_spike", severity="critical", message="", type="gradient_explosion"
+        )
+        return policy.decide(MetricPoint(step=step, loss=9.0), [event], can_roll_back=True)
+
+    first, repeat = explosion(100), explosion(130)
+    assert first.action == repeat.action == "rollback"
+    assert first.rewarm_steps == 20 and repeat.rewarm_steps == 0
+    later = explosion(100 + rec.rollback_window + 50)  # the window has passed: a first again
+    assert later.rewarm_steps == 20
+    off = StepPolicy(PolicyConfig(), RecoveryConfig(snapshot_every=10, rewarm_steps=0))
+    event = Event(
+        step=5, kind="loss_spike", severity="critical", message="", type="gradient_explosion"
+    )
+    assert off.decide(MetricPoint(step=5, loss=9.0), [event], True).rewarm_steps == 0
 
 
 def test_snapshot_restores_weights_optimizer_and_random_state_exactly():

@@ -383,8 +383,12 @@ class RecoveryConfig(_Section):
         "least 1; never past its end): of len(data) when known, else of the planned steps "
         "left, else of the steps made so far.",
     )
-    rewarm_steps: int = Field(
-        0, ge=0, description="Steps over which a cut LR climbs back to the schedule; 0 keeps it."
+    rewarm_steps: int | None = Field(
+        None,
+        ge=0,
+        description="Steps over which the LR cut of a first rollback climbs back to the "
+        "schedule (a rollback repeated within `rollback_window` keeps its cut); None sizes it "
+        "to the run: 2x `snapshot_every`; 0 keeps every cut.",
     )
     max_rollbacks: int = Field(5, ge=1, description="Rollbacks within the window before a halt.")
     rollback_window: int = Field(1000, ge=1, description="Steps over which rollbacks are counted.")
@@ -409,7 +413,8 @@ class RecoveryConfig(_Section):
         every = self.snapshot_every
         if every is None:
             every = 50 if planned_steps is None else min(50, max(10, planned_steps // 20))
-        return self.model_copy(update={"snapshot_every": every})
+        rewarm = 2 * every if self.rewarm_steps is None else self.rewarm_steps
+        return self.model_copy(update={"snapshot_every": every, "rewarm_steps": rewarm})
 
 
 class DiagnosisConfig(_Section):

@@ -110,7 +110,9 @@ class Decision:
     rollback_to: int | None = None  # roll back to a snapshot at or before this step
     incident_step: int | None = None  # the step whose data fed the incident
     skip_after: int = 0  # batches skipped after the incident batch
+    skip_widening: int = 1  # repeats in one region widen the skip and its share of the data
     lr_factor: float | None = None  # multiply the LR by this
+    rewarm_steps: int = 0  # steps over which that cut climbs back to the schedule; 0 keeps it
     suspect: bool = False  # this step's batch is skipped as toxic until its spike's follow-up
     quarantine_step: int | None = None  # the follow-up confirmed this step's batch: quarantine
     release_step: int | None = None  # this step's spike was re-typed: its batch is released

@@ -100,7 +100,6 @@ class Guard:
                 scheduler,
                 scaler,
                 self.config.max_grad_norm,
-                self.config.recovery.rewarm_steps,
             )
         self.scheduler = scheduler
         self.scaler = scaler
@@ -558,7 +557,7 @@ class Guard:
         self.detectors.load_state_dict(snapshot.guard["detectors"])
         self.actions.restore_schedule_lrs(snapshot.guard["schedule_lrs"])
         factor = decision.lr_factor or 1.0
-        self.actions.cut_lr(factor)
+        self.actions.cut_lr(factor, decision.rewarm_steps)
         self.ring.drop_after(snapshot.step)
         self.policy.forget_after(snapshot.step)
         self.quarantine.forget_after(snapshot.step)
@@ -590,7 +589,13 @@ class Guard:
             message=(
                 f"rolled back from step {from_step} to the state at step {snapshot.step}, "
                 f"before the incident ({decision.reason}); LR x{factor:.3g}, now "
-                f"x{self.actions.lr_scale:.3g} of the schedule{note}"
+                f"x{self.actions.lr_scale:.3g} of the schedule, "
+                + (
+                    f"climbing back over {decision.rewarm_steps} steps"
+                    if decision.rewarm_steps
+                    else "kept (a repeated incident, or re-warm off)"
+                )
+                + note
             ),
             metrics={
                 "from_step": from_step,
@@ -598,6 +603,7 @@ class Guard:
                 "incident_step": decision.incident_step,
                 "lr_factor": factor,
                 "lr_scale": self.actions.lr_scale,
+                "rewarm_steps": decision.rewarm_steps,
                 "skipped_batches": list(skipped) if skipped else None,
                 "snapshot_after_warning": snapshot.last_warning,
             },
@@ -621,7 +627,8 @@ class Guard:
             left, basis = max(0, total - decision.step - 1), "planned steps left"
         elif left is None:
             left, basis = max(1, decision.step), "steps made so far (the data has no length)"
-        more = sized_skip(decision.skip_after, left, rec.skip_share)
+        share = min(1.0, rec.skip_share * decision.skip_widening)  # a repeat earns a wider skip
+        more = sized_skip(decision.skip_after, left, share)
         skipped = (position, position + 1 + more)
         capped = more < decision.skip_after
         message = (
@@ -629,9 +636,7 @@ class Guard:
             f"incident at step {decision.incident_step} and {more} after it"
         )
         if capped:
-            message += (
-                f", not {decision.skip_after}: at most {rec.skip_share:.0%} of the {left} {basis}"
-            )
+            message += f", not {decision.skip_after}: at most {share:.0%} of the {left} {basis}"
         event = Event(
             step=decision.step,
             kind="data_skipped",
@@ -644,7 +649,7 @@ class Guard:
                 "wanted": decision.skip_after + 1,
                 "left": left,
                 "basis": basis,
-                "share": rec.skip_share,
+                "share": share,
             },
             action="rollback",
         )
@@ -679,7 +684,7 @@ class Guard:
 
     def _cut_lr(self, decision: Decision) -> None:
         assert self.actions is not None and decision.lr_factor is not None
-        self.actions.cut_lr(decision.lr_factor)
+        self.actions.cut_lr(decision.lr_factor, decision.rewarm_steps)
         if decision.unrolled_incident is not None:
             unavailable = Event(
                 step=decision.step,

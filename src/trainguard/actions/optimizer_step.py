@@ -16,14 +16,14 @@ class OptimizerActions:
         scheduler: Any = None,
         scaler: torch.amp.GradScaler | None = None,
         max_grad_norm: float | None = 1.0,
-        rewarm_steps: int = 0,
     ) -> None:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.max_grad_norm = max_grad_norm
-        self.rewarm_steps = rewarm_steps
         self.lr_cut = 1.0  # the LR multiplier right after the last cut
+        self.lr_ceiling = 1.0  # the multiplier a re-warm climbs back to (kept cuts lower it)
+        self.rewarm_steps = 0  # steps the last cut takes to climb back; 0 keeps it
         self.since_cut = 0  # optimizer steps since then, for the re-warm
         self._schedule_lrs: list[Any] | None = None  # the LR the schedule wants, per group
 
@@ -70,16 +70,20 @@ class OptimizerActions:
     @property
     def lr_scale(self) -> float:
         """The factor between the schedule's LR and the LR in use."""
-        if self.rewarm_steps <= 0 or self.lr_cut >= 1.0:
+        if self.rewarm_steps <= 0 or self.lr_cut >= self.lr_ceiling:
             return self.lr_cut
         progress = min(1.0, self.since_cut / self.rewarm_steps)
-        return self.lr_cut + (1.0 - self.lr_cut) * progress
+        return self.lr_cut + (self.lr_ceiling - self.lr_cut) * progress
 
-    def cut_lr(self, factor: float) -> None:
-        """Multiply the LR in use by `factor`; it climbs back over `rewarm_steps` when set."""
+    def cut_lr(self, factor: float, rewarm_steps: int = 0) -> None:
+        """Multiply the LR in use by `factor`; it climbs back to where it was before the cuts
+        that were kept over `rewarm_steps` optimizer steps, or stays cut when that is 0."""
         if self._schedule_lrs is None:
             self._schedule_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.lr_cut = self.lr_scale * factor
+        if rewarm_steps <= 0:
+            self.lr_ceiling = self.lr_cut
+        self.rewarm_steps = rewarm_steps
         self.since_cut = 0
         self._apply_lr_scale()
 
@@ -103,12 +107,16 @@ class OptimizerActions:
     def state_dict(self) -> dict[str, Any]:
         return {
             "lr_cut": self.lr_cut,
+            "lr_ceiling": self.lr_ceiling,
+            "rewarm_steps": self.rewarm_steps,
             "since_cut": self.since_cut,
             "schedule_lrs": self._schedule_lrs,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lr_cut = float(state["lr_cut"])
+        self.lr_ceiling = float(state.get("lr_ceiling", self.lr_cut))  # earlier: every cut kept
+        self.rewarm_steps = int(state.get("rewarm_steps", 0))
         self.since_cut = int(state["since_cut"])
         self._schedule_lrs = state["schedule_lrs"]
 

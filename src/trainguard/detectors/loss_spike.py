@@ -54,6 +54,9 @@ NOISE_EVERY = 16  # steps between re-estimates of the recent noise (it moves slo
 LEVEL_SPAN = 4  # the long level is the median of this many times `level_window` losses
 SPREAD_CAP = 2.0  # the spread about a fitted quadratic raises the noise up to this x the other
 SPREAD_MIN = 1.25  # once it is this x the first differences' (correlated noise, not chance)
+SPREAD_SPAN = 32  # the latest losses whose spread bounds the window's: a quadratic fits them
+SPREAD_NEAR = 1.5  # even early in training, where over the whole window the loss's curvature
+# would read as noise; the window's spread counts up to this x theirs
 # and the baseline is not swinging periodically: a swing is signal, judged apart (`_swing`)
 
 
@@ -194,8 +197,10 @@ class LossSpikeDetector(Detector):
         base_mean = mean(recent)
         if self.noise_age % NOISE_EVERY == 0:
             self.short, self.drift = noise_and_drift(recent)
-            spread = float(spread_sigmas(np.asarray([recent], dtype=np.float64))[0])
-            if spread > SPREAD_MIN * self.short and self._swing(recent) is None:
+            spreads, nears = _bounded_spread(np.asarray([recent], dtype=np.float64))
+            spread, near_spread = float(spreads[0]), float(nears[0])
+            raised = min(spread, near_spread) > SPREAD_MIN * self.short  # both spans agree
+            if raised and self._swing(recent) is None:
                 self.short = min(spread, SPREAD_CAP * self.short)
         self.noise_age += 1
         near = median(recent[-cfg.level_window :])  # the level the noise is measured from
@@ -281,6 +286,7 @@ class LossSpikeDetector(Detector):
             "noise_std": sigma,
             "z_score": z,
             "z_threshold": threshold,
+            "ratio_min_z": cfg.ratio_min_z,
             "ratio": ratio,
             "rule": rule,
             "since_step": since,
@@ -318,8 +324,9 @@ class LossSpikeDetector(Detector):
         if len(refresh):
             rows = sliding_window_view(v[:-1], w)[refresh]
             fresh, fresh_drift = noise_sigmas(rows)
-            spread = spread_sigmas(rows)
-            for j in np.flatnonzero(spread > SPREAD_MIN * fresh).tolist():
+            spread, near_spread = _bounded_spread(rows)
+            raised = np.minimum(spread, near_spread) > SPREAD_MIN * fresh  # both spans agree
+            for j in np.flatnonzero(raised).tolist():
                 if self._swing(rows[j].tolist()) is None:  # a swing's spread is no noise
                     fresh[j] = min(float(spread[j]), SPREAD_CAP * float(fresh[j]))
             which = np.searchsorted(refresh, np.arange(m), side="right") - 1
@@ -585,6 +592,15 @@ class LossSpikeDetector(Detector):
             type=new,
             confidence=confidence,
         )
+
+
+def _bounded_spread(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's spread about a fitted quadratic, at most SPREAD_NEAR x that of its latest
+    SPREAD_SPAN values (the curvature of a fast early descent is not noise), and theirs."""
+    whole = spread_sigmas(rows)
+    near = spread_sigmas(rows[:, -SPREAD_SPAN:])
+    out: np.ndarray = np.where(near > 0, np.minimum(whole, SPREAD_NEAR * near), whole)
+    return out, near
 
 
 def _low_bin(values: np.ndarray) -> np.ndarray:

@@ -18,11 +18,14 @@ TargetCheck = Callable[[int], bool]  # whether a rollback target exists for an i
 
 
 def clears_noise(event: Event) -> bool:
-    """Whether a loss spike's jump cleared the noise (z over its threshold), not a ratio alone;
-    True for an event that does not say."""
+    """Whether a loss spike's jump cleared the noise: z over its threshold, or a spike of the
+    ratio rule with z over the ratio rule's own floor; True for an event that does not say."""
     z, threshold = event.metrics.get("z_score"), event.metrics.get("z_threshold")
     if not isinstance(z, (int, float)) or not isinstance(threshold, (int, float)):
         return True
+    floor = event.metrics.get("ratio_min_z")
+    if event.metrics.get("rule") == "ratio" and isinstance(floor, (int, float)):
+        threshold = min(threshold, floor)
     return bool(z >= threshold)  # a NaN z clears nothing
 
 
@@ -247,8 +250,11 @@ class StepPolicy:
         decision = self._decide(point, events, "rollback", why)
         decision.rollback_to = target
         decision.incident_step = incident
-        decision.skip_after = base * 2 ** min(self.region_repeats, MAX_WIDENING)
+        decision.skip_widening = 2 ** min(self.region_repeats, MAX_WIDENING)
+        decision.skip_after = base * decision.skip_widening
         decision.lr_factor = self._next_lr_factor()
+        if not recent:  # a first incident: the cut LR climbs back; a repeat keeps its cut
+            decision.rewarm_steps = rec.rewarm_steps or 0
         self.consecutive_skips = 0
         self.consecutive_nonfinite = 0
         return decision
