@@ -314,6 +314,23 @@ def test_vanishing_gradients_names_the_right_group():
         )
     assert [(e.step, e.metrics["groups"]) for e in events] == [(109, ["blocks.0"]), (159, ["head"])]
     assert "blocks.0" in events[0].message
+    assert all(e.severity == "warning" for e in events)  # the loss did not vanish with them
+
+
+def test_gradients_that_vanish_with_the_loss_are_a_fitted_model_not_a_fault():
+    """A regression that reaches zero loss: its gradients vanish because its loss did."""
+    det = VanishingGradientDetector(VanishingConfig(reference_steps=20, patience=10))
+    events = []
+    for step in range(100):
+        loss = 1.0 if step < 50 else 0.0
+        norm = 0.5 if step < 50 else 0.0
+        point = MetricPoint(step=step, loss=loss, grad_norm=norm, group_grad_norms={"w": norm})
+        events += det.update(point)
+    (event,) = events
+    assert event.severity == "info" and "fits its data" in event.message
+    restored = VanishingGradientDetector(VanishingConfig(reference_steps=20, patience=10))
+    restored.load_state_dict(det.state_dict())
+    assert restored.loss_reference == 1.0 and restored.loss == 0.0
 
 
 def test_nonfinite_loss_and_grads():

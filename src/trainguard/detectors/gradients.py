@@ -341,10 +341,11 @@ class GradExplosionDetector(Detector):
 
 class VanishingGradientDetector(Detector):
     """A layer group whose gradient norm stayed below `ratio` x its early level (the median of its
-    first `reference_steps` norms), or under `abs_floor`, for `patience` steps; names the groups."""
+    first `reference_steps` norms), or under `abs_floor`, for `patience` steps; names the groups.
+    Where the loss vanished with them (a model that fits its data), it is only info."""
 
     name = "vanishing_gradients"
-    _state = ("early", "reference", "below", "reported")
+    _state = ("early", "reference", "below", "reported", "early_losses", "loss_reference", "loss")
 
     def __init__(self, config: VanishingConfig | None = None) -> None:
         self.config = config or VanishingConfig()
@@ -352,8 +353,18 @@ class VanishingGradientDetector(Detector):
         self.reference: dict[str, float] = {}
         self.below: dict[str, int] = {}
         self.reported: dict[str, bool] = {}
+        self.early_losses: list[float] = []  # the first losses, whose median is the loss's level
+        self.loss_reference: float | None = None
+        self.loss: float | None = None  # the latest finite loss
 
     def update(self, point: MetricPoint) -> list[Event]:
+        if math.isfinite(point.loss):
+            self.loss = point.loss
+            if self.loss_reference is None:
+                self.early_losses.append(point.loss)
+                if len(self.early_losses) >= self.config.reference_steps:
+                    self.loss_reference = median(self.early_losses)
+                    self.early_losses = []
         groups = point.group_grad_norms
         if not groups or not point.grads_finite:
             return []
@@ -384,6 +395,13 @@ class VanishingGradientDetector(Detector):
         message = (
             f"vanishing gradients in {len(newly)} layer group(s) for {cfg.patience}+ steps: {shown}"
         )
+        ref, loss = self.loss_reference, self.loss
+        if ref is not None and loss is not None and abs(loss) <= cfg.ratio * abs(ref):
+            message += (
+                f"; the loss vanished with them ({fmt(loss)}, from {fmt(ref)} early on): the model "
+                "fits its data, which is no fault"
+            )
+            return [self.event(point, "info", message, {"groups": newly, "figures": details})]
         return [self.event(point, "warning", message, {"groups": newly, "figures": details})]
 
     def advance(self, series: MetricSeries, start: int) -> int:

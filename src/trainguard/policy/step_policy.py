@@ -139,12 +139,12 @@ class StepPolicy:
                 )
             return self._decide(point, events, "skip", "non-finite loss or gradients")
         self.consecutive_nonfinite = 0
-        if point.overflow:
-            return self._decide(point, events, "skip", "fp16 overflow: the scaler skipped it")
-        if rec.enabled:
+        if rec.enabled:  # before the overflow skip: weights that overflow every step need it
             decision = self._recovery(point, events, has_target)
             if decision is not None:
                 return decision
+        if point.overflow:
+            return self._decide(point, events, "skip", "fp16 overflow: the scaler skipped it")
         if rec.enabled and "oscillation" in kinds:
             decision = self._decide(point, events, "step", "oscillation: LR lowered")
             decision.lr_factor = self._next_lr_factor()
