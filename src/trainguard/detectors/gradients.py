@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -358,13 +359,7 @@ class VanishingGradientDetector(Detector):
         self.loss: float | None = None  # the latest finite loss
 
     def update(self, point: MetricPoint) -> list[Event]:
-        if math.isfinite(point.loss):
-            self.loss = point.loss
-            if self.loss_reference is None:
-                self.early_losses.append(point.loss)
-                if len(self.early_losses) >= self.config.reference_steps:
-                    self.loss_reference = median(self.early_losses)
-                    self.early_losses = []
+        self._follow_loss([point.loss])
         groups = point.group_grad_norms
         if not groups or not point.grads_finite:
             return []
@@ -404,5 +399,21 @@ class VanishingGradientDetector(Detector):
             return [self.event(point, "info", message, {"groups": newly, "figures": details})]
         return [self.event(point, "warning", message, {"groups": newly, "figures": details})]
 
+    def _follow_loss(self, losses: Sequence[float]) -> None:
+        """The latest finite loss, and the median of the first `reference_steps` ones."""
+        finite = [float(x) for x in losses if math.isfinite(x)]
+        if not finite:
+            return
+        self.loss = finite[-1]
+        if self.loss_reference is None:
+            need = self.config.reference_steps - len(self.early_losses)
+            self.early_losses.extend(finite[:need])
+            if len(self.early_losses) >= self.config.reference_steps:
+                self.loss_reference = median(self.early_losses)
+                self.early_losses = []
+
     def advance(self, series: MetricSeries, start: int) -> int:
-        return start if series.has_groups else len(series)
+        if series.has_groups:
+            return start
+        self._follow_loss(series.loss[start:].tolist())  # no groups: nothing can vanish
+        return len(series)
