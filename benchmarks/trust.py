@@ -481,6 +481,29 @@ def corrupt_last_linear(model: nn.Module) -> None:
         linears[-1].weight.mul_(CORRUPT_FACTOR)
 
 
+def plant(
+    result: RunResult,
+    fault: str,
+    at: int,
+    iteration: int,
+    step: int,
+    pos: int,
+    model: nn.Module,
+    burst: Burst,
+) -> None:
+    """Before a training iteration: the LR burst on or off, the weights corrupted at `at`, and
+    the step where the fault starts and ends recorded in `result` (a data fault: where batch
+    `at` is trained)."""
+    burst.active = fault == "lr_burst" and at <= iteration < at + BURST_STEPS
+    if fault in ("lr_burst", "corrupt") and iteration == at:
+        result.fault_step = step
+        result.fault_end = step + (BURST_STEPS - 1 if fault == "lr_burst" else 0)
+        if fault == "corrupt":
+            corrupt_last_linear(model)
+    if fault in ("toxic", "nan") and pos == at and result.fault_step is None:
+        result.fault_step = result.fault_end = step
+
+
 def autocast(amp: str | None) -> contextlib.AbstractContextManager[Any]:
     if amp == "bf16":
         return torch.autocast("cpu", dtype=torch.bfloat16)
@@ -515,14 +538,7 @@ def run_loop(regime: Regime, seed: int, fault: str, guarded: bool, steps: int) -
                 step = guard.global_step if guard is not None else iteration
                 if step >= steps:
                     break
-                burst.active = fault == "lr_burst" and at <= iteration < at + BURST_STEPS
-                if fault in ("lr_burst", "corrupt") and iteration == at:
-                    result.fault_step = step
-                    result.fault_end = step + (BURST_STEPS - 1 if fault == "lr_burst" else 0)
-                    if fault == "corrupt":
-                        corrupt_last_linear(model)
-                if fault in ("toxic", "nan") and item.pos == at and result.fault_step is None:
-                    result.fault_step = result.fault_end = step
+                plant(result, fault, at, iteration, step, item.pos, model, burst)
 
                 def forward(item: Item = item) -> torch.Tensor:
                     with autocast(setup.amp):
@@ -844,14 +860,7 @@ def ddp_worker(
                     step = guard.global_step if guard is not None else iteration
                     if step >= steps:
                         break
-                    burst.active = fault == "lr_burst" and at <= iteration < at + BURST_STEPS
-                    if fault in ("lr_burst", "corrupt") and iteration == at:
-                        result.fault_step = step
-                        result.fault_end = step + (BURST_STEPS - 1 if fault == "lr_burst" else 0)
-                        if fault == "corrupt":
-                            corrupt_last_linear(model)
-                    if fault in ("toxic", "nan") and item.pos == at and result.fault_step is None:
-                        result.fault_step = result.fault_end = step
+                    plant(result, fault, at, iteration, step, item.pos, model, burst)
 
                     def forward(item: Item = item, net: nn.Module = ddp) -> torch.Tensor:
                         return F.mse_loss(net(item.x), item.y)
