@@ -114,6 +114,36 @@ class GradExplosionConfig(_Section):
     abs_limit: float | None = Field(None, gt=0, description="Absolute grad-norm limit; off.")
 
 
+class WeightJumpConfig(_Section):
+    """A layer group's weight norm that moves in one step far more than its own steps do: an LR
+    far above its schedule, a write to the weights outside the optimizer, or corrupted memory,
+    seen even where the loss does not move."""
+
+    enabled: bool = Field(
+        True, description="Measure each layer group's weight norm every step and judge its moves."
+    )
+    warmup: int = Field(20, ge=2, description="Steps a group is watched before it is judged.")
+    window: int = Field(
+        500, ge=10, description="Steps over which a group's largest one-step move is remembered."
+    )
+    min_ratio: float = Field(
+        1.05, gt=1, description="A move under this factor (up or down) in one step never warns."
+    )
+    reach_factor: float = Field(
+        2.0,
+        gt=1,
+        description="A move must pass this many times the group's largest one-step move in the "
+        "window (log scale; a move is learned up to x2, so one write of x1000 leaves the next "
+        "flagged).",
+    )
+    median_factor: float = Field(
+        20.0,
+        gt=1,
+        description="And this many times the median of its last 50 moves (an LR x100 moves "
+        "Adam's weights about 100x as far).",
+    )
+
+
 class VanishingConfig(_Section):
     """A layer group whose gradient norm fell far below its early level, or under a floor."""
 
@@ -508,6 +538,7 @@ class GuardConfig(_Section):
     grad_spike: GradSpikeConfig = Field(default_factory=GradSpikeConfig)
     grad_explosion: GradExplosionConfig = Field(default_factory=GradExplosionConfig)
     vanishing: VanishingConfig = Field(default_factory=VanishingConfig)
+    weight_jump: WeightJumpConfig = Field(default_factory=WeightJumpConfig)
     stall: StallConfig = Field(default_factory=StallConfig)
     divergence: DivergenceConfig = Field(default_factory=DivergenceConfig)
     oscillation: OscillationConfig = Field(default_factory=OscillationConfig)

@@ -22,6 +22,7 @@ EVENT_KINDS: tuple[str, ...] = (
     "fp16_overflow",
     "grad_explosion",
     "vanishing_gradients",
+    "weight_jump",
     "stall",
     "divergence",
     "oscillation",

@@ -93,7 +93,11 @@ class Guard:
         self.actions: OptimizerActions | None = None
         if optimizer is not None:
             self.stats = GradientStats(
-                model, optimizer, self.config.group_patterns, self.config.stats_every
+                model,
+                optimizer,
+                self.config.group_patterns,
+                self.config.stats_every,
+                weight_norms=self.config.weight_jump.enabled,
             )
             self.actions = OptimizerActions(
                 optimizer,
@@ -890,6 +894,8 @@ class Guard:
             record["overflow"] = signals.overflow
             record["nonfinite_grads"] = signals.nonfinite_grads
             record["group_grad_norms"] = signals.group_grad_norms
+            if signals.group_param_norms is not None:
+                record["group_param_norms"] = signals.group_param_norms
             if signals.update_step is not None:
                 record["param_norm"] = signals.param_norm
                 record["update_norm"] = signals.update_norm
@@ -1298,6 +1304,7 @@ def _point_from_signals(step: int, s: StepSignals) -> MetricPoint:
         nonfinite_params=s.nonfinite_params,
         group_grad_norms=s.group_grad_norms,
         update_ratio=s.update_ratio,
+        group_param_norms=s.group_param_norms,
     )
 
 

@@ -11,6 +11,7 @@ from trainguard.detectors.loss_spike import LossSpikeDetector
 from trainguard.detectors.nonfinite import NonFiniteDetector
 from trainguard.detectors.suite import DetectorSuite
 from trainguard.detectors.trends import DivergenceDetector, OscillationDetector, StallDetector
+from trainguard.detectors.weights import WeightJumpDetector
 
 __all__ = [
     "Detector",
@@ -25,4 +26,5 @@ __all__ = [
     "OscillationDetector",
     "StallDetector",
     "VanishingGradientDetector",
+    "WeightJumpDetector",
 ]

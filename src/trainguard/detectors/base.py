@@ -27,6 +27,7 @@ class MetricPoint:
     nonfinite_params: list[str] = field(default_factory=list)
     group_grad_norms: dict[str, float] | None = None
     update_ratio: float | None = None
+    group_param_norms: dict[str, float] | None = None  # the weights' norm a layer group
     # distributed runs: one value per rank, measured before the gradient reduction
     rank_losses: list[float] | None = None
     rank_grad_norms: list[float] | None = None

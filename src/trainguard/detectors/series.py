@@ -27,6 +27,7 @@ class MetricSeries:
     overflow: np.ndarray | None = None
     nonfinite_grads: np.ndarray | None = None
     group_grad_norms: list[dict[str, float] | None] | None = None
+    group_param_norms: list[dict[str, float] | None] | None = None
     span: int = MIN_SPAN  # look-ahead of `advance`: grows over quiet stretches, shrinks at events
 
     def __len__(self) -> int:
@@ -42,11 +43,16 @@ class MetricSeries:
             overflow=bool(self.overflow[i]) if self.overflow is not None else False,
             nonfinite_grads=int(self.nonfinite_grads[i]) if self.nonfinite_grads is not None else 0,
             group_grad_norms=self.group_grad_norms[i] if self.group_grad_norms else None,
+            group_param_norms=self.group_param_norms[i] if self.group_param_norms else None,
         )
 
     @property
     def has_groups(self) -> bool:
         return bool(self.group_grad_norms) and any(self.group_grad_norms or ())
+
+    @property
+    def has_weight_norms(self) -> bool:
+        return bool(self.group_param_norms) and any(self.group_param_norms or ())
 
     def finite_losses(self, start: int) -> tuple[np.ndarray, np.ndarray]:
         """Indices (into the series) and values of the finite losses in the chunk at `start`."""

@@ -18,6 +18,7 @@ from trainguard.detectors.ranks import RankOutlierDetector, StragglerDetector
 from trainguard.detectors.routing import RoutingCollapseDetector
 from trainguard.detectors.series import MAX_SPAN, MIN_SPAN, MetricSeries
 from trainguard.detectors.trends import DivergenceDetector, OscillationDetector, StallDetector
+from trainguard.detectors.weights import WeightJumpDetector
 from trainguard.events import Event
 
 
@@ -32,6 +33,7 @@ class DetectorSuite:
             (cfg.grad_spike.enabled, GradSpikeDetector(cfg.grad_spike)),
             (cfg.grad_explosion.enabled, GradExplosionDetector(cfg.grad_explosion)),
             (cfg.vanishing.enabled, VanishingGradientDetector(cfg.vanishing)),
+            (cfg.weight_jump.enabled, WeightJumpDetector(cfg.weight_jump)),
             (cfg.stall.enabled, StallDetector(cfg.stall)),
             (cfg.divergence.enabled, DivergenceDetector(cfg.divergence)),
             (cfg.oscillation.enabled, OscillationDetector(cfg.oscillation)),

@@ -40,6 +40,7 @@ class StepSignals:
     update_ratio: float | None = None
     update_step: int | None = None
     group_update_ratios: dict[str, float] = field(default_factory=dict)
+    group_param_norms: dict[str, float] | None = None  # every step, before the update
     extra: list[float] = field(default_factory=list)  # what the caller appended (per-rank data)
 
 
@@ -68,6 +69,7 @@ class Measurement:
     lrs: list[Any]
     has_scaler: bool
     pending_step: int | None
+    has_weights: bool = False
     # squared norms split into replicated gradients and this rank's shards, for `combine`
     rep_sq: torch.Tensor | None = None
     shard_sq: torch.Tensor | None = None
@@ -110,8 +112,9 @@ class Measurement:
 
 
 class GradientStats:
-    """Measures loss, gradient norms (global and per layer group), non-finite gradients, loss scale
-    and, every `stats_every` steps, parameter norms and the update ratio ||dtheta||/||theta||."""
+    """Measures loss, gradient norms (global and per layer group), non-finite gradients, loss scale,
+    per layer group the weights' norm (with `weight_norms`) and, every `stats_every` steps,
+    parameter norms and the update ratio ||dtheta||/||theta||."""
 
     def __init__(
         self,
@@ -119,6 +122,7 @@ class GradientStats:
         optimizer: torch.optim.Optimizer,
         group_patterns: Sequence[str],
         stats_every: int = 10,
+        weight_norms: bool = True,
     ) -> None:
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         params: list[torch.Tensor] = []
@@ -142,6 +146,9 @@ class GradientStats:
         self.stats_every = stats_every
         self._group_index_all = torch.tensor(self.groups.index, device=self.device)
         self._sharded = [_is_shard(p) for p in self.params]
+        # per-step weight norms read whole parameters; FSDP2 shards would need a local view
+        # per parameter per step, so they are left to the sampled `stats_every` norms
+        self.weight_norms = weight_norms and not any(self._sharded)
         self._layouts: dict[tuple[int, ...] | None, _Layout] = {}
         self._full = self._make_layout(None)
         self._prev_params: list[torch.Tensor] | None = None
@@ -219,6 +226,12 @@ class GradientStats:
         head.append(scale if scale is not None else torch.zeros((), device=self.device))
         head.append(found_inf if found_inf is not None else torch.zeros((), device=self.device))
         tail: list[torch.Tensor] = []
+        if self.weight_norms:  # the weights this step's forward used, one norm a layer group
+            tail.append(
+                self._group_norms(
+                    self._norms(self._local_params(), self._full).square(), self._full
+                )
+            )
         pending_step = None
         if self._pending is not None:
             pending_step, pending = self._pending
@@ -242,6 +255,7 @@ class GradientStats:
             lrs=lrs,
             has_scaler=has_scaler,
             pending_step=pending_step,
+            has_weights=self.weight_norms,
             rep_sq=rep_sq.sum(),
             shard_sq=shard_sq.sum(),
             group_rep_sq=group_rep,
@@ -273,6 +287,10 @@ class GradientStats:
             loss_scale=scale if m.has_scaler else None,
             overflow=bool(found_inf > 0) if m.has_scaler else False,
         )
+        if m.has_weights:
+            weights = values[pos : pos + n_groups]
+            pos += n_groups
+            signals.group_param_norms = dict(zip(self.groups.group_names, weights, strict=True))
         if m.pending_step is not None:
             p_norm, u_norm = values[pos], values[pos + 1]
             gp = values[pos + 2 : pos + 2 + n_groups]

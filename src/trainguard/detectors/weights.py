@@ -1,0 +1,98 @@
+"""`WeightJumpDetector`: a layer group's weights moving in one step far past their own steps."""
+
+from __future__ import annotations
+
+import math
+
+from trainguard.config import WeightJumpConfig
+from trainguard.detectors.base import Detector, MetricPoint
+from trainguard.detectors.series import MetricSeries
+from trainguard.detectors.stats import median
+from trainguard.events import Event
+
+QUIET_STEPS = 5  # steps without a jump that end an incident
+RECENT = 50  # moves a group's median move is read from
+LEARN_CAP = math.log(2.0)  # moves are learned up to x2: a run's own recurring moves stop
+# warning after the first, while after a x1000 write a later one still warns
+
+
+class WeightJumpDetector(Detector):
+    """Per layer group, the one-step move |log(norm_t / norm_t-1)| of the weights' norm; a jump
+    passes `min_ratio`, `reach_factor` x the group's largest move in the last `window` steps and
+    `median_factor` x its median move. One warning per incident (it ends after `QUIET_STEPS`
+    steps without a jump), naming the group that moved most."""
+
+    name = "weight_jump"
+    _state = ("last", "groups", "recent", "quiet")
+
+    def __init__(self, config: WeightJumpConfig | None = None) -> None:
+        self.config = config or WeightJumpConfig()
+        self.last: dict[str, float] = {}  # each group's norm at the previous step
+        # each group's [steps seen, largest move in this half-window, in the one before]
+        self.groups: dict[str, list[float]] = {}
+        self.recent: dict[str, list[float]] = {}  # each group's last RECENT moves
+        self.quiet = QUIET_STEPS  # steps since the last jump
+
+    def advance(self, series: MetricSeries, start: int) -> int:
+        """A series without weight norms (every log but a guarded run's own) raises nothing."""
+        return len(series) if not series.has_weight_norms else start
+
+    def update(self, point: MetricPoint) -> list[Event]:
+        norms = point.group_param_norms
+        if not norms:
+            return []
+        cfg = self.config
+        floor = math.log(cfg.min_ratio)
+        half = max(cfg.window // 2, 1)
+        jumps: list[tuple[float, str, float, float]] = []  # move, group, ratio, limit
+        for name, norm in norms.items():
+            prev = self.last.get(name)
+            if not math.isfinite(norm) or norm <= 0:
+                self.last.pop(name, None)  # a zero or non-finite norm gives no ratio
+                continue
+            self.last[name] = norm
+            if prev is None:
+                continue
+            move = abs(math.log(norm / prev))
+            h = self.groups.setdefault(name, [0.0, 0.0, 0.0])
+            recent = self.recent.setdefault(name, [])
+            if h[0] >= cfg.warmup and move > floor and move > cfg.reach_factor * max(h[1], h[2]):
+                limit = max(floor, cfg.reach_factor * max(h[1], h[2]))
+                if recent:
+                    limit = max(limit, cfg.median_factor * median(recent))
+                if move > limit:
+                    jumps.append((move, name, norm / prev, limit))
+            h[0] += 1
+            h[1] = max(h[1], min(move, LEARN_CAP))
+            if h[0] % half == 0:  # the largest move of the last one to two half-windows
+                h[2], h[1] = h[1], 0.0
+            recent.append(move)
+            if len(recent) > RECENT:
+                del recent[0]
+        if not jumps:
+            self.quiet += 1
+            return []
+        was_quiet, self.quiet = self.quiet >= QUIET_STEPS, 0
+        if not was_quiet:
+            return []
+        move, name, ratio, limit = max(jumps)
+        others = [g for _, g, _, _ in sorted(jumps, reverse=True)[1:]]
+        change = f"x{ratio:.3g}" if ratio >= 1 else f"x{ratio:.3g} (shrank {1 / ratio:.3g}-fold)"
+        return [
+            self.event(
+                point,
+                "warning",
+                f"the weights of {name} moved {change} in one step, past the x{math.exp(limit):.3g}"
+                " its own steps reach"
+                + (f"; {len(others)} more group(s) too ({', '.join(others[:3])})" if others else "")
+                + ": an LR far above its schedule, a write to the weights outside the optimizer, "
+                "or corrupted memory; check the LR the last optimizer step applied and any code "
+                "that touches the weights",
+                {
+                    "group": name,
+                    "ratio": ratio,
+                    "limit_ratio": math.exp(limit),
+                    "groups_moved": [name, *others],
+                },
+            )
+        ]

@@ -1,0 +1,162 @@
+"""Weight jumps: a layer group's weights moving in one step far past their own steps (an LR burst
+hidden inside the optimizer, a write outside it), seen where the loss says nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import trainguard as tg
+from trainguard.config import WeightJumpConfig
+from trainguard.detectors import DetectorSuite, MetricPoint
+from trainguard.detectors.weights import WeightJumpDetector
+
+
+def stream(steps: int, jumps: dict[int, float], seed: int = 0) -> list[MetricPoint]:
+    """Two groups drifting by ~0.1% a step; at the steps in `jumps`, group "head" x factor."""
+    rng = torch.Generator().manual_seed(seed)
+    norms = {"body": 10.0, "head": 2.0}
+    points = []
+    for step in range(steps):
+        for name in norms:
+            norms[name] *= 1 + 1e-3 * float(torch.randn((), generator=rng))
+        if step in jumps:
+            norms["head"] *= jumps[step]
+        points.append(MetricPoint(step=step, loss=1.0, group_param_norms=dict(norms)))
+    return points
+
+
+def run(detector: WeightJumpDetector, points: list[MetricPoint]) -> list[tg.Event]:
+    return [e for p in points for e in detector.update(p)]
+
+
+def test_a_steady_drift_is_left_alone() -> None:
+    assert run(WeightJumpDetector(), stream(2000, {})) == []
+
+
+def test_a_write_outside_the_optimizer_is_named_at_its_step() -> None:
+    events = run(WeightJumpDetector(), stream(400, {150: 1000.0, 300: 0.01}))
+    assert [(e.step, e.kind, e.severity) for e in events] == [
+        (150, "weight_jump", "warning"),
+        (300, "weight_jump", "warning"),  # learned: a second write as bad warns again
+    ]
+    assert events[0].metrics["group"] == "head"
+    assert math.isclose(events[0].metrics["ratio"], 1000.0, rel_tol=0.01)
+    assert "the weights of head moved x" in events[0].message
+
+
+def test_shrinking_weights_warn_too_and_a_burst_is_one_incident() -> None:
+    events = run(WeightJumpDetector(), stream(300, {100: 0.01}))
+    assert [e.step for e in events] == [100] and "shrank 100-fold" in events[0].message
+    burst = {s: 3.0 for s in range(200, 205)}  # five steps of an LR far over its schedule
+    events = run(WeightJumpDetector(), stream(400, burst))
+    assert [e.step for e in events] == [200]
+
+
+def test_the_run_own_moves_set_the_limit() -> None:
+    """A group that moves 1.6x now and then is flagged at its first 1.6x only, and at 10x again;
+    nothing is judged during the warm-up, when the first updates move fresh weights most."""
+    wobbly = {s: 1.6 if s % 40 == 0 else 1.0 for s in range(1, 600)}
+    assert [e.step for e in run(WeightJumpDetector(), stream(600, wobbly))] == [40]
+    events = run(WeightJumpDetector(), stream(600, {**wobbly, 500: 10.0}))
+    assert [e.step for e in events] == [40, 500]
+    early = {s: 5.0 for s in range(1, 10)}
+    assert run(WeightJumpDetector(WeightJumpConfig(warmup=20)), stream(100, early)) == []
+
+
+def test_zero_and_non_finite_norms_give_no_ratio() -> None:
+    detector = WeightJumpDetector()
+    points = stream(100, {})
+    for p in points[:50]:  # a zero-initialised group that starts to grow at step 50
+        assert p.group_param_norms is not None
+        p.group_param_norms["lora_b"] = 0.0
+    for i, p in enumerate(points[50:]):
+        assert p.group_param_norms is not None
+        p.group_param_norms["lora_b"] = 1e-6 * (i + 1) if i != 10 else math.nan
+    assert run(detector, points) == []
+
+
+def test_state_round_trips_mid_stream() -> None:
+    points = stream(300, {250: 50.0})
+    first = WeightJumpDetector()
+    run(first, points[:200])
+    second = WeightJumpDetector()
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert [e.step for e in run(second, points[200:])] == [250]
+
+
+def test_the_suite_skips_logs_without_weight_norms() -> None:
+    """A log (no weight norms) passes through the bulk path untouched; a guarded run's points
+    (with them) raise the same events in bulk as step by step."""
+    from trainguard.detectors.series import MetricSeries
+
+    points = stream(300, {250: 50.0})
+    series = MetricSeries(
+        steps=torch.arange(300).numpy(),
+        loss=torch.ones(300, dtype=torch.float64).numpy(),
+        group_param_norms=[p.group_param_norms for p in points],
+    )
+    bulk = [e for e in DetectorSuite().run(series) if e.kind == "weight_jump"]
+    assert [e.step for e in bulk] == [250]
+    plain = MetricSeries(steps=series.steps, loss=series.loss)
+    assert WeightJumpDetector().advance(plain, 0) == 300
+
+
+# -- a guarded run ------------------------------------------------------------------------------
+
+
+def fitted_classifier(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, list[Any]]:
+    """An MLP that fits separable data: its loss is near 0 and a x1000 write barely moves it."""
+    torch.manual_seed(seed)
+    x = torch.randn(64 * 40, 8)
+    y = (x[:, 0] > 0).long()
+    x[:, 0] += 3 * (2 * y - 1)  # a wide margin: the fit is confident and stays right at x1000
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batches = [(x[i : i + 64], y[i : i + 64]) for i in range(0, len(x), 64)]
+    return model, opt, batches * 4
+
+
+def train(
+    tmp_path: Path, fault: str | None, at: int = 100, steps: int = 140
+) -> tuple[list[dict[str, Any]], list[str]]:
+    model, opt, batches = fitted_classifier(0)
+    guard = tg.Guard(model, opt, config=tg.GuardConfig(console=False), run_dir=tmp_path)
+    lrs = [g["lr"] for g in opt.param_groups]
+    actions = []
+    for step, (x, y) in enumerate(batches[:steps]):
+        if fault == "write" and step == at:
+            with torch.no_grad():
+                model[2].weight.mul_(1000)
+        for g, lr in zip(opt.param_groups, lrs, strict=True):  # an LR x100 the guard never reads
+            g["lr"] = lr * (100 if fault == "burst" and at <= step < at + 3 else 1)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        actions.append(guard.step(loss).action)
+        opt.zero_grad(set_to_none=True)
+    guard.close()
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    return [e for e in events if e["severity"] != "info"], actions
+
+
+def test_a_guarded_fitted_model_names_a_write_to_its_last_layer(tmp_path: Path) -> None:
+    events, actions = train(tmp_path, "write")
+    jumps = [e for e in events if e["kind"] == "weight_jump"]
+    assert [(e["step"], e["metrics"]["group"]) for e in jumps] == [(100, "2")]
+    assert jumps[0]["metrics"]["ratio"] > 500
+    assert set(actions) == {"step"}  # a warning: the loss did not move, nothing is undone
+
+
+def test_a_guarded_run_sees_an_lr_burst_the_loss_does_not_show(tmp_path: Path) -> None:
+    events, _ = train(tmp_path, "burst")
+    assert [e["step"] for e in events if e["kind"] == "weight_jump"] == [101]
+
+
+def test_a_clean_guarded_run_has_no_weight_jump(tmp_path: Path) -> None:
+    events, actions = train(tmp_path, None, steps=160)
+    assert events == [] and set(actions) == {"step"}
