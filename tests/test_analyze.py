@@ -199,6 +199,12 @@ def test_a_loss_that_turns_nan_is_a_critical_nonfinite_incident(tmp_path, suffix
     report = json.loads(out.stdout)
     assert [e["step"] for e in report["events"] if e["kind"] == "nonfinite"] == [300, 450]
     assert report["summary"]["final_loss"] == pytest.approx(loss[449])
+    assert report["summary"]["ends_nonfinite"] is True
+    text = " ".join(run(str(log)).stdout.split())  # the console wraps its lines
+    assert "600 steps (0..599" in text and "final loss NaN/Inf (the last finite one" in text
+    sparse = writer(tmp_path / f"sparse{suffix}", range(0, 4000, 100), lm_curve(40))
+    text = run(str(sparse)).stdout
+    assert "40 logged points over steps (0..3900" in " ".join(text.split())
 
 
 def test_a_log_that_is_nan_from_the_start_is_a_failed_run_not_bad_input(tmp_path):

@@ -109,6 +109,10 @@ def analyze(
             else "healthy: no incident at warning or above"
         )
         final = "none finite" if s["final_loss"] is None else f"{s['final_loss']:.4g}"
+        if s.get("ends_nonfinite") and s["final_loss"] is not None:
+            final = f"NaN/Inf (the last finite one {s['final_loss']:.4g})"
+        dense = s["last_step"] - s["first_step"] + 1 == s["steps"]
+        rows = f"{s['steps']} steps" if dense else f"{s['steps']} logged points over steps"
         extra = [
             f"{s[key]} {what}"
             for key, what in (
@@ -119,7 +123,7 @@ def analyze(
             if s[key]
         ]
         console.print(
-            f"{s['steps']} steps ({s['first_step']}..{s['last_step']}"
+            f"{rows} ({s['first_step']}..{s['last_step']}"
             + "".join(f", {x}" for x in extra)
             + f"), final loss {final}, loss spike score {s['spike_score']['loss']:.2e}: {verdict}"
         )

@@ -121,6 +121,7 @@ def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
             "loss_last_10k": spike_score(finite[-RECENT_STEPS:]),
         },
         "final_loss": float(finite[-1]) if len(finite) else None,
+        "ends_nonfinite": bool(len(data.loss) and not np.isfinite(data.loss[-1])),
         "nonfinite_steps": int(len(data.loss) - len(finite)),
         "abandoned_steps": len(data.abandoned.get("step", ())),
         "recorded_events": len(recorded),
