@@ -182,13 +182,21 @@ class StepPolicy:
         for e in events:
             decision: Decision | None = None
             if e.kind == "loss_spike" and e.type == "gradient_explosion":
+                start = int(e.metrics.get("since_step", e.step))  # a lasting jump's first step
                 decision = self._rollback(
-                    point, events, e.step, "gradient-explosion spike", True, has_target
+                    point, events, start, "gradient-explosion spike", True, has_target
                 )
             elif e.kind == "spike_classified" and e.type == "gradient_explosion":
                 spike = int(e.metrics.get("spike_step", e.step))
+                sudden = e.metrics.get("previous_type") == "data_toxicity"  # no build-up
                 decision = self._rollback(
-                    point, events, spike, "gradient explosion confirmed", True, has_target
+                    point,
+                    events,
+                    spike,
+                    "gradient explosion confirmed",
+                    True,
+                    has_target,
+                    self.recovery.sudden_margin if sudden else None,
                 )
             elif e.kind in ("divergence",) or (
                 e.kind == "spike_classified" and e.type == "architecture"
@@ -221,8 +229,10 @@ class StepPolicy:
         why: str,
         explosion: bool,
         has_target: TargetCheck = lambda _: True,
+        margin: int | None = None,
     ) -> Decision | None:
-        """Roll back to before `incident`; None when no snapshot lies before it."""
+        """Roll back to `margin` (default `rollback_margin`) steps before `incident`, or to the
+        newest snapshot at or before it; None when no snapshot lies before it."""
         rec = self.recovery
         step = point.step
         if not has_target(incident):
@@ -237,8 +247,11 @@ class StepPolicy:
                 f"incidents continue ({why}); nothing the guard can do helps: check the data "
                 "around these steps, the LR schedule and the model's numerics",
             )
+        # a rollback within `snapshot_every` steps of the previous one: the same fault still
+        # going on when it rolled back (a burst of bad steps), not a recurrence at a restored LR
+        continuing = bool(recent) and step - recent[-1] <= (rec.snapshot_every or 1)
         self.rollback_steps.append(step)
-        target = incident - rec.rollback_margin
+        target = incident - (rec.rollback_margin if margin is None else margin)
         if self.last_target is not None and abs(target - self.last_target) <= (
             SAME_REGION * (rec.snapshot_every or 1)
         ):
@@ -252,8 +265,9 @@ class StepPolicy:
         decision.incident_step = incident
         decision.skip_widening = 2 ** min(self.region_repeats, MAX_WIDENING)
         decision.skip_after = base * decision.skip_widening
-        decision.lr_factor = self._next_lr_factor()
-        if not recent:  # a first incident: the cut LR climbs back; a repeat keeps its cut
+        # the same fault still going on keeps the cut it has; a later repeat cuts again
+        decision.lr_factor = 1.0 if continuing else self._next_lr_factor()
+        if not recent or continuing:  # the cut LR climbs back; a later repeat keeps its cut
             decision.rewarm_steps = rec.rewarm_steps or 0
         self.consecutive_skips = 0
         self.consecutive_nonfinite = 0
