@@ -367,7 +367,8 @@ class RecoveryConfig(_Section):
         None,
         ge=1,
         description="Steps between in-memory snapshots; None sizes it to the run: 1/20 of the "
-        "planned steps, between 10 and 50 (50 when the length is unknown).",
+        "planned steps, between 10 and 50 (50 when the length is unknown), and shorter where the "
+        "data cannot be rewound, as `snapshot_budget` allows.",
     )
     snapshots: int = Field(3, ge=1, description="Snapshots kept in the ring.")
     snapshot_budget: float = Field(
