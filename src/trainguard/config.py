@@ -417,7 +417,8 @@ class RecoveryConfig(_Section):
         ge=0,
         description="Steps over which the LR cut of a first rollback climbs back to the "
         "schedule (a rollback repeated within `rollback_window` keeps its cut, unless it comes "
-        "within `snapshot_every` steps of the last one: the same fault still going on); None "
+        "within `snapshot_every` steps of the last one, the same fault still going on, whose "
+        "compounded cut climbs back too); None "
         "sizes it "
         "to the run: 2x `snapshot_every`; 0 keeps every cut.",
     )

@@ -275,8 +275,7 @@ class StepPolicy:
         decision.incident_step = incident
         decision.skip_widening = 2 ** min(self.region_repeats, MAX_WIDENING)
         decision.skip_after = base * decision.skip_widening
-        # the same fault still going on keeps the cut it has; a later repeat cuts again
-        decision.lr_factor = 1.0 if continuing else self._next_lr_factor()
+        decision.lr_factor = self._next_lr_factor()  # compounding: a repeat cuts further
         if not recent or continuing:  # the cut LR climbs back; a later repeat keeps its cut
             decision.rewarm_steps = rec.rewarm_steps or 0
         self.consecutive_skips = 0
