@@ -147,6 +147,25 @@ def test_spike_type_gradient_explosion_when_it_jumps_and_stays_high():
     assert final.metrics["previous_type"] == "data_toxicity"
 
 
+def test_a_jump_that_stays_far_up_on_the_next_batches_is_revised_after_confirm_steps():
+    y = lm_curve(3000, seed=7)
+    y[2000:] *= 3.0  # the batches after the spike's are just as far up: the weights, not data
+    early = LossSpikeConfig(confirm_steps=2)  # as the Guard sizes it where data goes on
+    events = feed(LossSpikeDetector(early), y)
+    (final,) = _follow_up(events)
+    assert final.step == 2002 and final.metrics["steps_watched"] == 2  # not after 5 steps
+    assert final.type == "gradient_explosion" and final.metrics["previous_type"] == "data_toxicity"
+    y = lm_curve(3000, seed=7)
+    y[2000:2002] *= 3.0  # a second bad batch, then back: watched the whole window
+    y[2002:2004] *= 1.5  # back part of the way
+    (partly,) = _follow_up(feed(LossSpikeDetector(early), y))
+    assert partly.step == 2005 and partly.metrics["steps_watched"] == 5
+    y = lm_curve(3000, seed=7)
+    y[2000:] *= 3.0
+    (late,) = _follow_up(feed(LossSpikeDetector(), y))
+    assert late.step == 2005  # by default (offline, or where a rollback replays the data)
+
+
 def test_a_lasting_jump_under_the_z_threshold_is_a_spike_after_persist_steps():
     rng = np.random.default_rng(3)
     y = 1.0 + 0.01 * rng.standard_normal(4000)

@@ -234,9 +234,15 @@ def test_the_hf_trainer_rolls_back_through_the_guard(tmp_path):
     callback = TrainguardCallback(config)
     trainer = hf_train(tmp_path, model, callback, learning_rate=3e-3)
     found = events(tmp_path / "trainguard" / "events.jsonl")
-    (rollback,) = [e for e in found if e["kind"] == "rollback"]
-    assert rollback["metrics"]["to_step"] <= 38 and rollback["metrics"]["lr_factor"] < 1
-    assert trainer.state.global_step == 70 and callback.guard.action_counts["rollback"] == 1
+    rollbacks = [e for e in found if e["kind"] == "rollback"]
+    assert rollbacks and all(r["metrics"]["to_step"] <= 38 for r in rollbacks)
+    assert rollbacks[0]["metrics"]["lr_factor"] < 1
+    # confirmed 2 steps after the jump (the Trainer's data cannot be rewound), the rollback finds
+    # the 6-step fault still going on: a repeat within snapshot_every steps re-warms its cut
+    assert all(r["metrics"]["rewarm_steps"] for r in rollbacks)
+    assert all(r["metrics"]["lost_batches"] <= 12 for r in rollbacks)
+    assert trainer.state.global_step == 70
+    assert callback.guard.action_counts["rollback"] == len(rollbacks)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 

@@ -59,7 +59,7 @@ def test_lr_blowup_rolls_back_with_an_lr_cut_and_recovers(clean, tmp_path):
     rollbacks = kinds(events, "rollback")
     assert rollbacks, [(e["step"], e["kind"]) for e in events]
     first = rollbacks[0]["metrics"]
-    assert first["to_step"] <= 250 - 10 and first["lr_factor"] == 0.5
+    assert first["to_step"] <= 250 and first["lr_factor"] == 0.5  # before the first bad update
     assert out.halted is None
     assert out.eval_loss == pytest.approx(clean[0].eval_loss, rel=0.02)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 
@@ -16,7 +17,7 @@ import trainguard as tg
 from trainguard.actions import OptimizerActions
 from trainguard.actions.data import GuardedBatches, sized_skip
 from trainguard.actions.quarantine import Quarantine
-from trainguard.actions.snapshots import SnapshotRing
+from trainguard.actions.snapshots import SnapshotRing, budget_interval
 from trainguard.config import PolicyConfig, RecoveryConfig
 from trainguard.detectors import MetricPoint
 from trainguard.detectors.base import Detector
@@ -435,3 +436,83 @@ def test_stateful_dataloader_from_torchdata_is_rewound_from_its_state():
     fresh = StatefulDataLoader(TensorDataset(torch.arange(40)), batch_size=2, shuffle=True)
     reference = [int(b[0][0]) for b in fresh]
     assert seen == reference[:13] + reference[6:8] + reference[10:]
+
+
+def test_a_sudden_explosion_rolls_back_to_just_before_its_jump_a_built_up_one_keeps_the_margin():
+    policy = StepPolicy(recovery=RecoveryConfig(snapshot_every=10))
+    revised = spike(53, "spike_classified", "gradient_explosion", spike_step=51)
+    revised.metrics["previous_type"] = "data_toxicity"  # a jump with no build-up
+    sudden = policy.decide(MetricPoint(53, 5.0), [revised], True)
+    assert sudden.action == "rollback" and sudden.rollback_to == 50  # before the update at 50
+    built_up = spike(90, "loss_spike", "gradient_explosion")
+    built_up.metrics["since_step"] = 88  # a lasting jump: its first elevated step
+    onset = policy.decide(MetricPoint(90, 5.0), [built_up], True)
+    assert onset.action == "rollback" and onset.rollback_to == 78  # rollback_margin 10
+
+
+def test_snapshots_come_as_often_as_their_budget_allows_only_where_the_data_goes_on():
+    assert budget_interval(0.003, 0.0135, 0.01, 3, 10) == 10  # a fifth of a step: the sized one
+    assert budget_interval(0.0002, 0.01, 0.01, 3, 10) == 3  # cheap: down to what the ring needs
+    assert budget_interval(0.0005, 0.01, 0.01, 3, 10) == 5
+    assert budget_interval(0.0002, 0.01, 0.0, 3, 10) == 10  # a budget of 0 keeps the sized one
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = tg.GuardConfig(console=False, diagnosis={"total_steps": 200})
+    guard = tg.Guard(model, opt, config=config)
+    assert guard.snapshot_interval == 10  # nothing measured yet
+    guard._snapshot_seconds = 0.0001
+    guard._step_times.extend([0.05] * 5)
+    assert not guard.rewinds_data and guard.snapshot_interval == 3  # (5 + 1) / (3 - 1) steps
+    (spikes,) = [d for d in guard.detectors.detectors if d.name == "loss_spike"]
+    assert spikes.confirm_steps == 2  # each step waited is lost where the data goes on
+    guard.batches(list(range(200)))
+    assert guard.rewinds_data and guard.snapshot_interval == 10  # a rollback replays the data
+    assert spikes.confirm_steps == 0  # the whole window: a short fault ends before the replay
+    fixed = tg.GuardConfig(console=False, recovery={"snapshot_every": 7})
+    pinned = tg.Guard(model, opt, config=fixed)
+    pinned._snapshot_seconds = 0.0001
+    pinned._step_times.extend([0.05] * 5)
+    assert pinned.snapshot_interval == 7  # the user's interval is kept
+
+
+def _unrewound_lm(run_dir, burst: range) -> tg.Guard:
+    """TinyGPT trained 100 steps in a plain loop over a list (no guard.batches: a rollback
+    cannot rewind the data), the LR x100 on the iterations of `burst`."""
+    from trainguard.demo import scenarios
+    from trainguard.demo.model import TinyGPT
+
+    data = scenarios.corpus()
+    batches = list(data.batches(8, 16, 100, seed=3))
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    config = tg.GuardConfig(console=False, recovery={"snapshot_every": 3})
+    guard = tg.Guard(model, opt, config=config, run_dir=run_dir)
+    original = opt.step
+    for iteration, batch in enumerate(batches):
+        opt.step = (  # type: ignore[method-assign]
+            functools.partial(scenarios.scaled_step, opt, original, 100.0)
+            if iteration in burst
+            else original
+        )
+        loss = model.loss(model(batch.x), batch.y)
+        loss.backward()
+        guard.step(loss, batch_ids=batch.ids)
+        opt.zero_grad(set_to_none=True)
+    opt.step = original  # type: ignore[method-assign]
+    guard.close()
+    return guard
+
+
+def test_a_rollback_where_the_data_goes_on_lands_just_before_the_jump(tmp_path):
+    clean = _unrewound_lm(tmp_path / "clean", range(0))
+    assert clean.action_counts["skip"] == clean.action_counts["rollback"] == 0
+    _unrewound_lm(tmp_path / "burst", range(60, 62))
+    found = read_jsonl(tmp_path / "burst" / "events.jsonl")
+    (first, *_) = [e for e in found if e["kind"] == "loss_spike"]
+    (revised, *_) = [e for e in found if e["kind"] == "spike_classified"]
+    assert first["step"] == 61 and first["type"] == "data_toxicity"
+    assert revised["step"] == 63 and revised["type"] == "gradient_explosion"  # 2 steps, not 5
+    (rollback, *_) = [e for e in found if e["kind"] == "rollback"]
+    assert rollback["metrics"]["to_step"] == 60  # the state before the first bad update
+    assert rollback["metrics"]["lost_batches"] == 4  # 60..63, no more: the data goes on

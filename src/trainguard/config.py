@@ -57,6 +57,16 @@ class LossSpikeConfig(_Section):
     classify_window: int = Field(
         5, ge=1, description="Steps watched after a spike before its type is revised."
     )
+    confirm_steps: int | None = Field(
+        None,
+        ge=0,
+        description="Steps after a spike typed data toxicity that, each still far over its level"
+        " (over `ratio_threshold` x it and over the spike's z threshold), revise it to a gradient"
+        " explosion before `classify_window` is out: the next batches are not the bad one, so the"
+        " weights are. None sizes it to the run: 2 where a rollback cannot rewind the data (no"
+        " `guard.batches`), so that it loses fewer steps; else (and offline) the whole window,"
+        " which lets a fault of a few steps end before the rollback replays them; 0: the window.",
+    )
     noise_horizon: int = Field(
         1000, ge=10, description="Steps over which the long-run noise level is averaged."
     )
@@ -387,14 +397,33 @@ class RecoveryConfig(_Section):
         None,
         ge=1,
         description="Steps between in-memory snapshots; None sizes it to the run: 1/20 of the "
-        "planned steps, between 10 and 50 (50 when the length is unknown).",
+        "planned steps, between 10 and 50 (50 when the length is unknown), and shorter where the "
+        "data cannot be rewound, as `snapshot_budget` allows.",
     )
     snapshots: int = Field(3, ge=1, description="Snapshots kept in the ring.")
+    snapshot_budget: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        description="Where the data cannot be rewound (no `guard.batches`: the Trainer "
+        "integrations, or a loop that does not use it) a rollback loses every step since its "
+        "target, so with `snapshot_every` None snapshots come as often as this share of the "
+        "training time allows (their measured cost against the measured step time), never "
+        "more often than keeps one from before a spike's follow-up in the ring; 0 keeps the "
+        "sized interval.",
+    )
     rollback_margin: int = Field(
         10,
         ge=0,
         description="A rollback target lies this many steps before the incident where a snapshot "
         "that old is kept; else the newest one at or before the incident's first step is used.",
+    )
+    sudden_margin: int = Field(
+        1,
+        ge=0,
+        description="The margin instead, for an explosion that began with a sudden jump (a spike "
+        "first typed data toxicity, its follow-up revising it): the update before the jump made "
+        "it, and steps further back are learning lost where the data cannot be rewound.",
     )
     skip_after_toxicity: int = Field(
         0, ge=0, description="Batches skipped after the incident batch for data toxicity."
@@ -417,7 +446,10 @@ class RecoveryConfig(_Section):
         None,
         ge=0,
         description="Steps over which the LR cut of a first rollback climbs back to the "
-        "schedule (a rollback repeated within `rollback_window` keeps its cut); None sizes it "
+        "schedule (a rollback repeated within `rollback_window` keeps its cut, unless it comes "
+        "within `snapshot_every` steps of the last one, the same fault still going on, whose "
+        "compounded cut climbs back too); None "
+        "sizes it "
         "to the run: 2x `snapshot_every`; 0 keeps every cut.",
     )
     max_rollbacks: int = Field(5, ge=1, description="Rollbacks within the window before a halt.")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,9 +28,10 @@ from trainguard.actions.checkpoints import (
 )
 from trainguard.actions.data import GuardedBatches, default_batch_ids, sized_skip
 from trainguard.actions.quarantine import Quarantine
-from trainguard.actions.snapshots import SnapshotRing, rng_state, set_rng_state
+from trainguard.actions.snapshots import SnapshotRing, budget_interval, rng_state, set_rng_state
 from trainguard.config import GuardConfig
 from trainguard.detectors import DetectorSuite, MetricPoint
+from trainguard.detectors.loss_spike import LossSpikeDetector
 from trainguard.detectors.ranks import RankOutlierDetector
 from trainguard.diagnosis import NonFiniteReport, blame_samples, trace_nonfinite
 from trainguard.diagnosis.lint import Finding, lint
@@ -57,6 +60,8 @@ from trainguard.sinks.factory import sinks_from_config
 
 MAX_BATCH_IDS = 64
 POSITIONS_KEPT = 8192  # steps whose data position is remembered, to map incidents to batches
+UNREWOUND_CONFIRM_STEPS = 2  # far-up steps that confirm an explosion where data goes on
+STEP_TIMES_KEPT = 32  # recent step times whose median sizes the snapshot interval
 
 
 class Guard:
@@ -124,6 +129,7 @@ class Guard:
             self.run_dir / quarantine_name if self.run_dir is not None else None, _report
         )
         self._batches: GuardedBatches | None = None
+        self._size_confirmation()
         self._resume_data: dict[str, Any] | None = None
         self._positions: dict[int, int] = {}
         self._last_incident = -(10**9)
@@ -170,6 +176,8 @@ class Guard:
         self.action_counts: dict[str, int] = {"step": 0, "skip": 0, "rollback": 0, "halt": 0}
         self._started = time.perf_counter()
         self._last_step_time: float | None = None
+        self._step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
+        self._snapshot_seconds: float | None = None  # what the last snapshot took
         self._closed = False
         self.findings: list[Finding] = []
         if self.config.diagnosis.lint and model is not None and optimizer is not None:
@@ -268,10 +276,21 @@ class Guard:
         if self.config.diagnosis.total_steps is None and length is not None and length > 0:
             self.recovery = self.config.recovery.sized(length)  # at least one pass of the data
             self.policy.recovery = self.recovery
+        self._size_confirmation()
         if self._resume_data is not None:
             self._batches.resume(self._resume_data)
             self._resume_data = None
         return self._batches
+
+    def _size_confirmation(self) -> None:
+        """`loss_spike.confirm_steps` left to the run: an explosion confirmed after 2 steps
+        where a rollback cannot rewind the data (each step waited is lost), after the whole
+        window where it replays the data (a fault of a few steps ends first)."""
+        if self.config.loss_spike.confirm_steps is not None:
+            return
+        for detector in self.detectors.detectors:
+            if isinstance(detector, LossSpikeDetector):
+                detector.confirm_steps = 0 if self.rewinds_data else UNREWOUND_CONFIRM_STEPS
 
     # -- diagnosis ----------------------------------------------------------------------------
     def _lint(self) -> None:
@@ -513,13 +532,20 @@ class Guard:
             del self._positions[next(iter(self._positions))]
 
     def _maybe_snapshot(self) -> None:
-        """After a step: keep a snapshot every `snapshot_every` steps, on schedule whatever was
-        raised before; whether it serves an incident is judged when one comes (`_has_target`)."""
+        """After a step: keep a snapshot every `snapshot_interval` steps, on schedule whatever
+        was raised before; whether it serves an incident is judged when one comes
+        (`_has_target`)."""
         rec = self.recovery
         step = self.global_step  # the next step: the snapshot is the state at its start
-        if not rec.enabled or self.model is None or step % (rec.snapshot_every or 1):
+        if not rec.enabled or self.model is None:
+            return
+        every = self.snapshot_interval
+        newest = self.ring.snapshots[-1].step if self.ring.snapshots else None
+        due = step % every == 0 if newest is None else step - newest >= every
+        if not due:
             return
         assert self.optimizer is not None and self.actions is not None
+        started = time.perf_counter()
         guard_state = {
             "detectors": self.detectors.state_dict(),
             "schedule_lrs": self.actions.schedule_lrs(),
@@ -535,6 +561,33 @@ class Guard:
             guard_state,
             position,
             last_warning,
+        )
+        self._snapshot_seconds = time.perf_counter() - started
+
+    @property
+    def rewinds_data(self) -> bool:
+        """Whether a rollback rewinds the data (it comes through `guard.batches`); else the
+        steps since the rollback target are lost learning."""
+        return self._batches is not None
+
+    @property
+    def snapshot_interval(self) -> int:
+        """Steps between snapshots: `recovery.snapshot_every`, sized to the run; where the data
+        cannot be rewound and the interval is left to the run, as short as
+        `recovery.snapshot_budget` allows (the last snapshot's cost against the median step
+        time), but long enough that the ring still holds one from before a spike's follow-up
+        (`classify_window` plus `sudden_margin` steps back)."""
+        rec = self.recovery
+        every = rec.snapshot_every or 1
+        if self.config.recovery.snapshot_every is not None or self.rewinds_data:
+            return every
+        if self._snapshot_seconds is None or not self._step_times or rec.snapshots < 2:
+            return every
+        reach = self.config.loss_spike.classify_window + rec.sudden_margin
+        shortest = min(every, math.ceil(reach / (rec.snapshots - 1)))
+        step_seconds = statistics.median(self._step_times)
+        return budget_interval(
+            self._snapshot_seconds, step_seconds, rec.snapshot_budget, shortest, every
         )
 
     def _healthy_window(self, step: int) -> bool:
@@ -574,11 +627,14 @@ class Guard:
             if position is not None:
                 skipped, skip_event = self._skip_after(decision, position)
             self._batches.rewind(snapshot.data_position, skipped)
+        lost = None if self.rewinds_data else from_step + 1 - snapshot.step
         note = (
             f"; skipping batches {skipped[0]}..{skipped[1] - 1}"
             if skipped
             else "; no data to skip (iterate with guard.batches(loader) to skip it)"
         )
+        if lost is not None:
+            note += f"; the data goes on, so the {lost} batches since the state are lost"
         if snapshot.step > decision.rollback_to:
             note += (
                 f"; no snapshot {start - decision.rollback_to} steps before the incident was "
@@ -610,6 +666,7 @@ class Guard:
                 "rewarm_steps": decision.rewarm_steps,
                 "skipped_batches": list(skipped) if skipped else None,
                 "snapshot_after_warning": snapshot.last_warning,
+                "lost_batches": lost,
             },
             action="rollback",
         )
@@ -887,6 +944,8 @@ class Guard:
             "loss_scale": point.loss_scale,
             "action": decision.action,
         }
+        if self._last_step_time is not None:
+            self._step_times.append(now - self._last_step_time)
         self._last_step_time = now
         if signals is not None:
             if len(signals.lrs) > 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,8 +30,24 @@ class Snapshot:
     last_warning: int | None = None  # the last warning (or skip, rollback) before it was taken
 
 
+def budget_interval(
+    snapshot_seconds: float, step_seconds: float, budget: float, shortest: int, longest: int
+) -> int:
+    """The steps between snapshots that keep their cost (`snapshot_seconds` each) within
+    `budget` of the training time (`step_seconds` a step), between `shortest` and `longest`."""
+    if budget <= 0 or step_seconds <= 0 or not math.isfinite(snapshot_seconds):
+        return longest
+    wanted = math.ceil(snapshot_seconds / (budget * step_seconds))
+    return max(shortest, min(longest, wanted))
+
+
+_ATOMS = (int, float, bool, str, bytes, type(None))
+
+
 def _to_host(obj: Any, pinned: bool) -> Any:
     """A deep copy with every tensor on the CPU (pinned, copied without blocking, from a GPU)."""
+    if isinstance(obj, _ATOMS):  # immutable: nothing to copy
+        return obj
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         if t.device.type == "cpu":

@@ -139,7 +139,9 @@ class LossSpikeDetector(Detector):
     # beyond a Gaussian's (1 until TAIL_MIN_SAMPLES), for `persist_steps` steps is a spike too;
     # those steps join the baseline only if the loss comes back before that. A spike lasts until
     # the loss falls back under half `persist_z`; one lasting a quarter of the window becomes the
-    # new level. `spike_classified` revises the type after `classify_window` steps.
+    # new level. `spike_classified` revises the type after `classify_window` steps, or after
+    # `confirm_steps` (see LossSpikeConfig) when a spike typed data toxicity stays far up on the
+    # batches after it.
 
     name = "loss_spike"
     _state = (
@@ -163,6 +165,8 @@ class LossSpikeDetector(Detector):
 
     def __init__(self, config: LossSpikeConfig | None = None) -> None:
         self.config = config or LossSpikeConfig()
+        # steps far up that confirm an explosion early; the Guard sizes it when left to the run
+        self.confirm_steps = self.config.confirm_steps or 0
         self.window: deque[float] = deque(maxlen=self.config.window)
         self.grads: deque[float] = deque(maxlen=self.config.window)
         self.run = SpikeRun(max(self.config.window // 4, self.config.classify_window + 1))
@@ -277,6 +281,8 @@ class LossSpikeDetector(Detector):
             "back_steps": 0,
             "high_grad_steps": 0,
             "grad_rose": grad_rose,
+            "far_over": threshold * sigma,  # a jump still this far up is no noise
+            "far_steps": 0,
         }
         rule = "z-score" if z_rule else "ratio" if ratio_rule else "persistent"
         metrics = {
@@ -531,14 +537,28 @@ class LossSpikeDetector(Detector):
             w["back_steps"] += 1
             if w["back_at"] is None:
                 w["back_at"] = w["seen"]
-        if point.loss > self.config.ratio_threshold * w["level"]:
+        gross = point.loss > self.config.ratio_threshold * w["level"]
+        if gross:
             w["gross_steps"] = w.get("gross_steps", 0) + 1
+        if gross and point.loss - w["level"] > w.get("far_over", math.inf):
+            w["far_steps"] = w.get("far_steps", 0) + 1
         g, gm = point.grad_norm, w["grad_mean"]
         if g is not None and gm and g > GRAD_HIGH * gm:
             w["high_grad_steps"] += 1
-        if w["seen"] >= self.config.classify_window:
+        if w["seen"] >= self.config.classify_window or self._confirmed_early(w):
             return self._finish(point)
         return None
+
+    def _confirmed_early(self, w: dict[str, Any]) -> bool:
+        """A spike typed data toxicity whose next `confirm_steps` losses all stayed far over its
+        level: other batches, so the weights, not one bad batch."""
+        steps = self.confirm_steps
+        return bool(
+            steps
+            and w["type"] == "data_toxicity"
+            and w["seen"] == steps
+            and w.get("far_steps", 0) == steps
+        )
 
     def _finish(self, point: MetricPoint) -> Event:
         """The revised type of the spike under watch, from how the loss behaved after it."""

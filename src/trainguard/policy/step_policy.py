@@ -49,6 +49,7 @@ class StepPolicy:
         self.quarantined: deque[int] = deque(maxlen=HELD_STEPS)  # confirmed by the follow-up
         self.unrolled: int | None = None  # the last incident with no rollback target: LR cut
         self._no_target: int | None = None  # this step's incident without a target
+        self.restored_to: int | None = None  # the step the last rollback restored
 
     def decide(
         self,
@@ -68,16 +69,22 @@ class StepPolicy:
         if (
             incident is not None
             and decision.action in ("step", "skip")
-            and incident != self.unrolled
+            and (self.unrolled is None or abs(incident - self.unrolled) > self._same_fault)
             and decision.lr_factor is None
-        ):  # one LR cut per incident that has no rollback target
+        ):  # one LR cut per incident that has no rollback target (and per fault still going on)
             self.unrolled = incident
             decision.unrolled_incident = incident
             decision.lr_factor = self._next_lr_factor()
         return decision
 
+    @property
+    def _same_fault(self) -> int:
+        """Incidents this many steps apart or closer are one fault still going on."""
+        return self.recovery.snapshot_every or 1
+
     def forget_after(self, step: int) -> None:
         """A rollback to `step` undid the later steps: their suspects get no follow-up."""
+        self.restored_to = step
         kept = [s for s in self.suspects if s < step]
         self.suspects.clear()
         self.suspects.extend(kept)
@@ -182,13 +189,24 @@ class StepPolicy:
         for e in events:
             decision: Decision | None = None
             if e.kind == "loss_spike" and e.type == "gradient_explosion":
+                start = int(e.metrics.get("since_step", e.step))  # a lasting jump's first step
                 decision = self._rollback(
-                    point, events, e.step, "gradient-explosion spike", True, has_target
+                    point, events, start, "gradient-explosion spike", True, has_target
                 )
             elif e.kind == "spike_classified" and e.type == "gradient_explosion":
                 spike = int(e.metrics.get("spike_step", e.step))
+                sudden = e.metrics.get("previous_type") == "data_toxicity"  # no build-up
+                margin = self.recovery.sudden_margin if sudden else None
+                if sudden and spike == self.restored_to:  # no update since the restored state
+                    margin = 0
                 decision = self._rollback(
-                    point, events, spike, "gradient explosion confirmed", True, has_target
+                    point,
+                    events,
+                    spike,
+                    "gradient explosion confirmed",
+                    True,
+                    has_target,
+                    margin,
                 )
             elif e.kind in ("divergence",) or (
                 e.kind == "spike_classified" and e.type == "architecture"
@@ -221,8 +239,10 @@ class StepPolicy:
         why: str,
         explosion: bool,
         has_target: TargetCheck = lambda _: True,
+        margin: int | None = None,
     ) -> Decision | None:
-        """Roll back to before `incident`; None when no snapshot lies before it."""
+        """Roll back to `margin` (default `rollback_margin`) steps before `incident`, or to the
+        newest snapshot at or before it; None when no snapshot lies before it."""
         rec = self.recovery
         step = point.step
         if not has_target(incident):
@@ -237,8 +257,11 @@ class StepPolicy:
                 f"incidents continue ({why}); nothing the guard can do helps: check the data "
                 "around these steps, the LR schedule and the model's numerics",
             )
+        # a rollback within `snapshot_every` steps of the previous one: the same fault still
+        # going on when it rolled back (a burst of bad steps), not a recurrence at a restored LR
+        continuing = bool(recent) and step - recent[-1] <= self._same_fault
         self.rollback_steps.append(step)
-        target = incident - rec.rollback_margin
+        target = incident - (rec.rollback_margin if margin is None else margin)
         if self.last_target is not None and abs(target - self.last_target) <= (
             SAME_REGION * (rec.snapshot_every or 1)
         ):
@@ -252,8 +275,8 @@ class StepPolicy:
         decision.incident_step = incident
         decision.skip_widening = 2 ** min(self.region_repeats, MAX_WIDENING)
         decision.skip_after = base * decision.skip_widening
-        decision.lr_factor = self._next_lr_factor()
-        if not recent:  # a first incident: the cut LR climbs back; a repeat keeps its cut
+        decision.lr_factor = self._next_lr_factor()  # compounding: a repeat cuts further
+        if not recent or continuing:  # the cut LR climbs back; a later repeat keeps its cut
             decision.rewarm_steps = rec.rewarm_steps or 0
         self.consecutive_skips = 0
         self.consecutive_nonfinite = 0
@@ -287,6 +310,7 @@ class StepPolicy:
             "suspects": list(self.suspects),
             "quarantined": list(self.quarantined),
             "unrolled": self.unrolled,
+            "restored_to": self.restored_to,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -306,3 +330,5 @@ class StepPolicy:
         self.quarantined.extend(int(s) for s in state.get("quarantined", []))
         unrolled = state.get("unrolled")
         self.unrolled = None if unrolled is None else int(unrolled)
+        restored = state.get("restored_to")
+        self.restored_to = None if restored is None else int(restored)
