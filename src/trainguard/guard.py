@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import statistics
@@ -548,7 +549,7 @@ class Guard:
         started = time.perf_counter()
         guard_state = {
             "detectors": self.detectors.state_dict(),
-            "schedule_lrs": self.actions.schedule_lrs(),
+            "schedule_lrs": copy.deepcopy(self.actions.schedule_lrs()),  # tensor LRs too
         }
         position = self._batches.state() if self._batches is not None else None
         last_warning = None if self._healthy_window(step) else self._last_incident
@@ -611,10 +612,13 @@ class Guard:
         from_step = decision.step
         self._protect_last_good()
         SnapshotRing.restore(snapshot, self.model, self.optimizer, self.scheduler, self.scaler)
-        self.detectors.load_state_dict(snapshot.guard["detectors"])
-        self.actions.restore_schedule_lrs(snapshot.guard["schedule_lrs"])
+        # copies: the detectors go on mutating what they load, and a later rollback may return
+        # to this same snapshot
+        self.detectors.load_state_dict(copy.deepcopy(snapshot.guard["detectors"]))
+        self.actions.restore_schedule_lrs(copy.deepcopy(snapshot.guard["schedule_lrs"]))
         factor = decision.lr_factor or 1.0
-        self.actions.cut_lr(factor, decision.rewarm_steps)
+        if decision.lr_factor is not None:
+            self.actions.cut_lr(factor, decision.rewarm_steps)
         self.ring.drop_after(snapshot.step)
         self.policy.forget_after(snapshot.step)
         self.quarantine.forget_after(snapshot.step)
@@ -648,12 +652,17 @@ class Guard:
             severity="warning",
             message=(
                 f"rolled back from step {from_step} to the state at step {snapshot.step}, "
-                f"before the incident ({decision.reason}); LR x{factor:.3g}, now "
-                f"x{self.actions.lr_scale:.3g} of the schedule, "
+                f"before the incident ({decision.reason}); "
                 + (
-                    f"climbing back over {decision.rewarm_steps} steps"
-                    if decision.rewarm_steps
-                    else "kept (a repeated incident, or re-warm off)"
+                    f"LR kept at x{self.actions.lr_scale:.3g} of the schedule (a sudden "
+                    "incident undone; a repeat cuts it)"
+                    if decision.lr_factor is None
+                    else f"LR x{factor:.3g}, now x{self.actions.lr_scale:.3g} of the schedule, "
+                    + (
+                        f"climbing back over {decision.rewarm_steps} steps"
+                        if decision.rewarm_steps
+                        else "kept (a repeated incident, or re-warm off)"
+                    )
                 )
                 + note
             ),

@@ -26,6 +26,7 @@ class OptimizerActions:
         self.rewarm_steps = 0  # steps the last cut takes to climb back; 0 keeps it
         self.since_cut = 0  # optimizer steps since then, for the re-warm
         self._schedule_lrs: list[Any] | None = None  # the LR the schedule wants, per group
+        self._set: list[Any] | None = None  # the LRs the guard last put in the groups
 
     def unscale(self) -> None:
         """Unscale the gradients before they are measured (no-op without a scaler)."""
@@ -54,6 +55,11 @@ class OptimizerActions:
 
     def step(self, loss: float) -> None:
         """Apply the update: optimizer step, loss-scale update, scheduler step, LR re-warm."""
+        if self._schedule_lrs is not None and self._moved_elsewhere():
+            # a schedule the guard does not step (a Trainer's) set the LRs since: they are the
+            # schedule's now, and the cut goes on top of them
+            self._schedule_lrs = [g["lr"] for g in self.optimizer.param_groups]
+            self._apply_lr_scale()
         self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update()
@@ -103,6 +109,19 @@ class OptimizerActions:
     def _set_lrs(self, lrs: list[Any]) -> None:
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
+        self._set = list(lrs)
+
+    def _moved_elsewhere(self) -> bool:
+        """Whether a group's LR is no longer the one the guard last set (a float compared by
+        value, a tensor LR by identity)."""
+        if self._set is None:
+            return False
+        return any(
+            not (now is was or (not isinstance(now, torch.Tensor) and now == was))
+            for now, was in zip(
+                (g["lr"] for g in self.optimizer.param_groups), self._set, strict=False
+            )
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {

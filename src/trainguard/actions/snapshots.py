@@ -149,7 +149,7 @@ class SnapshotRing:
             scheduler=_to_host(scheduler.state_dict(), False) if scheduler is not None else None,
             scaler=_to_host(scaler.state_dict(), False) if scaler is not None else None,
             rng=rng_state(),
-            guard=copy.deepcopy(guard_state),
+            guard=guard_state,  # fresh plain data (state_dicts), kept as given
             data_position=copy.deepcopy(data_position),
             last_warning=last_warning,
         )

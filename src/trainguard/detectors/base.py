@@ -170,8 +170,13 @@ def _export(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _export(v) for k, v in value.items()}
     if isinstance(value, list):
+        if all(type(v) in _PLAIN for v in value):  # the common case, copied in one go
+            return value.copy()
         return [_export(v) for v in value]
     return value
+
+
+_PLAIN = (float, int, bool, str, type(None))
 
 
 def _import_dict(value: dict[str, Any]) -> dict[str, Any]:

@@ -207,6 +207,7 @@ class StepPolicy:
                     True,
                     has_target,
                     margin,
+                    sudden=sudden,
                 )
             elif e.kind in ("divergence",) or (
                 e.kind == "spike_classified" and e.type == "architecture"
@@ -240,9 +241,12 @@ class StepPolicy:
         explosion: bool,
         has_target: TargetCheck = lambda _: True,
         margin: int | None = None,
+        sudden: bool = False,
     ) -> Decision | None:
         """Roll back to `margin` (default `rollback_margin`) steps before `incident`, or to the
-        newest snapshot at or before it; None when no snapshot lies before it."""
+        newest snapshot at or before it; None when no snapshot lies before it. A `sudden`
+        incident (a jump with no build-up) with no rollback before it in the window keeps the LR:
+        one bad step or write is undone, and only a repeat says the LR is too high."""
         rec = self.recovery
         step = point.step
         if not has_target(incident):
@@ -275,7 +279,10 @@ class StepPolicy:
         decision.incident_step = incident
         decision.skip_widening = 2 ** min(self.region_repeats, MAX_WIDENING)
         decision.skip_after = base * decision.skip_widening
-        decision.lr_factor = self._next_lr_factor()  # compounding: a repeat cuts further
+        if sudden and not recent:
+            decision.lr_factor = None  # the LR kept: nothing yet says it is too high
+        else:
+            decision.lr_factor = self._next_lr_factor()  # compounding: a repeat cuts further
         if not recent or continuing:  # the cut LR climbs back; a later repeat keeps its cut
             decision.rewarm_steps = rec.rewarm_steps or 0
         self.consecutive_skips = 0
