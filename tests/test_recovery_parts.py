@@ -144,6 +144,23 @@ def test_a_kept_lr_cut_is_the_ceiling_a_later_rewarm_climbs_back_to():
     assert restored.lr_scale == pytest.approx(0.5) and restored.lr_ceiling == pytest.approx(0.5)
 
 
+def test_an_lr_cut_holds_under_a_schedule_the_guard_does_not_step():
+    """A Trainer steps its own LambdaLR after each optimizer step, resetting the LR: the cut
+    still applies to the LR the optimizer steps with, on top of the schedule's new value."""
+    p = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9**s)
+    actions = OptimizerActions(opt, None, max_grad_norm=None)  # the guard does not own it
+    used: list[float] = []
+    opt.register_step_pre_hook(lambda o, a, k: used.append(o.param_groups[0]["lr"]))
+    p.grad = torch.zeros(1)
+    actions.cut_lr(0.5)
+    for _ in range(3):
+        actions.step(0.0)
+        sched.step()  # the Trainer's own schedule, after the step
+    assert used == pytest.approx([0.5, 0.5 * 0.9, 0.5 * 0.81])
+
+
 def test_a_first_rollback_rewarms_its_lr_cut_and_a_repeat_keeps_it():
     rec = RecoveryConfig(snapshot_every=10)
     policy = StepPolicy(PolicyConfig(), rec)
