@@ -47,7 +47,7 @@ def test_a_write_outside_the_optimizer_is_named_at_its_step() -> None:
     ]
     assert events[0].metrics["group"] == "head"
     assert math.isclose(events[0].metrics["ratio"], 1000.0, rel_tol=0.01)
-    assert "the weights of head moved x" in events[0].message
+    assert "the weights of layer group head moved x" in events[0].message
 
 
 def test_shrinking_weights_warn_too_and_a_burst_is_one_incident() -> None:

@@ -82,8 +82,8 @@ class WeightJumpDetector(Detector):
             self.event(
                 point,
                 "warning",
-                f"the weights of {name} moved {change} in one step, past the x{math.exp(limit):.3g}"
-                " its own steps reach"
+                f"the weights of layer group {name} moved {change} in one step, past the "
+                f"x{math.exp(limit):.3g} its own steps reach"
                 + (f"; {len(others)} more group(s) too ({', '.join(others[:3])})" if others else "")
                 + ": an LR far above its schedule, a write to the weights outside the optimizer, "
                 "or corrupted memory; check the LR the last optimizer step applied and any code "
