@@ -56,8 +56,8 @@ class WeightJumpDetector(Detector):
             move = abs(math.log(norm / prev))
             h = self.groups.setdefault(name, [0.0, 0.0, 0.0])
             recent = self.recent.setdefault(name, [])
-            if h[0] >= cfg.warmup and move > floor and move > cfg.reach_factor * max(h[1], h[2]):
-                limit = max(floor, cfg.reach_factor * max(h[1], h[2]))
+            limit = max(floor, cfg.reach_factor * max(h[1], h[2]))
+            if h[0] >= cfg.warmup and move > limit:  # the median is read only past the rest
                 if recent:
                     limit = max(limit, cfg.median_factor * median(recent))
                 if move > limit:
