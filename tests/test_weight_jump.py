@@ -69,6 +69,30 @@ def test_the_run_own_moves_set_the_limit() -> None:
     assert run(WeightJumpDetector(WeightJumpConfig(warmup=20)), stream(100, early)) == []
 
 
+def test_a_small_burst_on_a_fitted_model_is_named_though_fresh_weights_moved_more() -> None:
+    """A fitted model's weights creep (~1e-5 a step); an LR x100 moves them ~0.4% a step, under
+    what the fresh weights moved in the first steps of training and growing step by step as
+    Adam's moments follow. The early moves are forgotten; the burst warns at its first step,
+    once; the same run without it is left alone."""
+    rng = torch.Generator().manual_seed(3)
+
+    def fitted(burst: bool) -> list[MetricPoint]:
+        norm, points = 5.0, []
+        for step in range(400):
+            early = 0.01 * math.exp(-step / 15)  # fresh weights: 1% a step, settling
+            move = early + 1e-5 * (1 + abs(float(torch.randn((), generator=rng))))
+            if burst and 250 <= step < 255:
+                move = 0.004 * (1 + 0.4 * (step - 250))  # x1.004, then larger each step
+            norm *= 1 + move
+            points.append(MetricPoint(step=step, loss=1e-4, group_param_norms={"head": norm}))
+        return points
+
+    events = run(WeightJumpDetector(), fitted(burst=True))
+    assert [(e.step, e.kind) for e in events] == [(250, "weight_jump")]
+    assert 1.003 < events[0].metrics["ratio"] < 1.005
+    assert run(WeightJumpDetector(), fitted(burst=False)) == []
+
+
 def test_zero_and_non_finite_norms_give_no_ratio() -> None:
     detector = WeightJumpDetector()
     points = stream(100, {})

@@ -134,10 +134,16 @@ class WeightJumpConfig(_Section):
     )
     warmup: int = Field(20, ge=2, description="Steps a group is watched before it is judged.")
     window: int = Field(
-        500, ge=10, description="Steps over which a group's largest one-step move is remembered."
+        100,
+        ge=10,
+        description="Steps over which a group's largest one-step move is remembered (short, so "
+        "the large moves of fresh weights early in training do not hide a burst later).",
     )
     min_ratio: float = Field(
-        1.05, gt=1, description="A move under this factor (up or down) in one step never warns."
+        1.002,
+        gt=1,
+        description="A move under this factor (up or down) in one step never warns (an LR x100 "
+        "moves a fitted model's weights by well under 1% a step).",
     )
     reach_factor: float = Field(
         2.0,
