@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -100,7 +101,7 @@ def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
     full = data.series()
     full.overflow = inferred_overflow(full.loss, full.grad_norm)
     series, lengths = _first_of_each_nan_stretch(full)
-    found = _one_per_stretch(suite.run(series), series.steps, lengths)
+    found = _windows_in_steps(_one_per_stretch(suite.run(series), series.steps, lengths), cfg, data)
     found += _abandoned_nonfinite(data.abandoned)
     if _is_sparse(given.divergence, data.steps):
         found += sparse_rises(data.steps, data.loss, cfg.divergence, data.extra.get("lr"))
@@ -175,13 +176,34 @@ def scaled_config(config: GuardConfig, steps: np.ndarray, loss: np.ndarray) -> G
     )
 
 
+def _windows_in_steps(events: list[Event], cfg: GuardConfig, data: LogData) -> list[Event]:
+    """Stall and divergence messages that name their window in logged points and the steps
+    those span, where the window was scaled to the log's spacing (`scaled_config`)."""
+    windows = {"stall": cfg.stall.window, "divergence": cfg.divergence.window}
+    if len(data.steps) < 2 or float(np.median(np.diff(data.steps))) <= 1.0:
+        return events  # a point a step: the window's points are its steps
+    out = []
+    for e in events:
+        w = windows.get(e.kind)
+        said = f"over the last {w} steps"
+        if w is not None and said in e.message:
+            at = int(np.searchsorted(data.steps, e.step))
+            first = int(data.steps[max(at - w + 1, 0)])
+            told = f"over the last {w} logged points (steps {first}..{e.step})"
+            e = dataclasses.replace(e, message=e.message.replace(said, told))
+        out.append(e)
+    return out
+
+
 def _is_sparse(cfg: DivergenceConfig, steps: np.ndarray) -> bool:
-    """Whether a log is so sparse that the divergence window (in steps) spans fewer points than
-    the trend test has blocks: a rise as long as that window is a few points of the log."""
+    """Whether a log is so sparse that `RISE_POINTS` of its points span the whole divergence
+    window (in steps): there a rise of a few points is a rise of many steps (a point a day). A
+    log a point every 50 steps has hundreds of points for the trend test, and three of its
+    points rising in a row are a blip of 100 steps, which a heavy-tailed loss makes often."""
     if len(steps) < 2:
         return False
     spacing = float(np.median(np.diff(steps)))
-    return spacing > 0 and cfg.window / spacing < cfg.blocks
+    return spacing > 0 and spacing * (RISE_POINTS - 1) >= cfg.window
 
 
 def sparse_rises(
