@@ -401,6 +401,24 @@ def test_divergence_on_a_steady_rise():
     assert feed(DivergenceDetector(), lm_curve(5000, seed=15)) == []
 
 
+def test_divergence_knows_the_noise_of_a_noisy_plateau():
+    """A plateau whose loss is noisy step to step (38%: a batch of 16 with noisy targets) leaves
+    the lowest of 20 block medians ~10% under their centre, so a 10% rise over it is chance; the
+    rise must clear the noise of a block median. The loss doubling over 400 steps in the same
+    noise is still found."""
+    false = []
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        plateau = 0.09 * (1 + 0.38 * rng.standard_normal(5000))
+        false += [(seed, e.step) for e in feed(DivergenceDetector(), plateau)]
+    assert false == []
+    for seed in range(5):
+        rng = np.random.default_rng(100 + seed)
+        rise = np.concatenate([np.full(2000, 0.09), 0.09 * (1 + np.arange(1, 601) / 400)])
+        events = feed(DivergenceDetector(), rise * (1 + 0.38 * rng.standard_normal(2600)))
+        assert events and events[0].kind == "divergence" and events[0].step > 2000, seed
+
+
 def test_divergence_quiet_on_a_warm_restart_with_the_lr_given():
     steps = 6000
     y = lm_curve(steps, seed=16, restarts=(3000,), restart_rise=0.4, restart_len=800)

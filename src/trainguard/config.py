@@ -182,7 +182,8 @@ class StallConfig(_Section):
 
 
 class DivergenceConfig(_Section):
-    """The loss rises steadily over a window (Mann-Kendall trend test on block medians)."""
+    """The loss rises steadily over a window (Mann-Kendall trend test on block medians), by
+    `min_rel_rise` and by more than the noise of a block median (`trends.RISE_NOISE`)."""
 
     enabled: bool = True
     window: int = Field(400, ge=20, description="Steps the rise must span, at least half of.")

@@ -160,9 +160,10 @@ def scaled_config(config: GuardConfig, steps: np.ndarray, loss: np.ndarray) -> G
             p = max(least, min(n // SPARSE_SHARE, SPARSE_MOST * least))
         return max(least, min(p, n // 2))
 
-    # the least windows the configs allow (20, 20, 32); at least one point per block
+    # the least windows the configs allow (20, 20, 32); at least one point per block, and three
+    # per divergence block, whose losses' spread is its noise (`trends._median_noise`)
     stall = max(config.stall.blocks, 20)
-    divergence = max(config.divergence.blocks, 20)
+    divergence = 3 * max(config.divergence.blocks, 20)
     return config.model_copy(
         update={
             "stall": config.stall.model_copy(update={"window": points(config.stall.window, stall)}),

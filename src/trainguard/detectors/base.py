@@ -69,7 +69,11 @@ class Detector:
         return {key: _export(getattr(self, key)) for key in self._state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a `state_dict`; a key a state saved by an earlier version lacks keeps its fresh
+        value."""
         for key in self._state:
+            if key not in state:
+                continue
             current = getattr(self, key)
             value = state[key]
             if isinstance(current, StateParts):

@@ -127,17 +127,36 @@ def relative_improvement(means: list[float]) -> tuple[float, float]:
     return -slope * (n - 1) / scale, se_slope * (n - 1) / scale
 
 
+RISE_NOISE = 5.0  # a divergence's rise over the lowest block clears this many times the noise
+# of a block median: with a noisy loss (a small batch, noisy targets) the lowest of 20 block
+# medians lies far under their centre, and a rise of `min_rel_rise` over it is chance
+
+
+def _median_noise(medians: np.ndarray, spreads: np.ndarray, size: int) -> np.ndarray:
+    """The noise of a block median, each row: from the losses' spread within the blocks (their
+    median absolute deviation), which a rise across the blocks does not inflate; from the
+    medians' successive differences where blocks hold too few losses for a spread."""
+    if size >= 3:
+        within: np.ndarray = 1.2533 * 1.4826 * np.median(spreads, axis=1) / math.sqrt(size)
+        return within
+    diffs: np.ndarray = 1.4826 * np.median(np.abs(np.diff(medians, axis=1)), axis=1)
+    return diffs / math.sqrt(2.0)
+
+
 class DivergenceDetector(Detector):
     """A steady rise over at least half of `window` steps (Mann-Kendall on block medians, and
-    `min_rel_rise` over the lowest block), unless the LR jumped first as in a warm restart."""
+    `min_rel_rise` and `RISE_NOISE` noise over the lowest block), unless the LR jumped first as
+    in a warm restart."""
 
     name = "divergence"
-    _state = ("blocks", "medians", "block_lrs", "active")
+    _state = ("blocks", "medians", "spreads", "block_lrs", "active")
 
     def __init__(self, config: DivergenceConfig | None = None) -> None:
         self.config = config or DivergenceConfig()
         self.blocks = Blocks(max(self.config.window // self.config.blocks, 1))
         self.medians: deque[float] = deque(maxlen=self.config.blocks)
+        # each block's median absolute deviation from its median: the noise within it
+        self.spreads: deque[float] = deque(maxlen=self.config.blocks)
         self.block_lrs: deque[float] = deque(maxlen=4 * self.config.blocks)
         self.active = False
 
@@ -145,7 +164,9 @@ class DivergenceDetector(Detector):
         block = self.blocks.add(point.loss) if point.loss_finite else None
         if block is None:
             return []
-        self.medians.append(median(block))
+        centre = median(block)
+        self.medians.append(centre)
+        self.spreads.append(median([abs(v - centre) for v in block]))
         if point.lr is not None and math.isfinite(point.lr):
             self.block_lrs.append(point.lr)
         if len(self.medians) < self.config.blocks:
@@ -155,7 +176,11 @@ class DivergenceDetector(Detector):
         low = min(values)
         rise = (values[-1] - low) / abs(low) if low != 0 else 0.0
         early_low = values.index(low) < len(values) // 2
-        rising = z > self.config.z_threshold and rise >= self.config.min_rel_rise and early_low
+        noise = _median_noise(np.asarray([values]), np.asarray([list(self.spreads)]), len(block))
+        clear = values[-1] - low > RISE_NOISE * float(noise[0])
+        rising = (
+            z > self.config.z_threshold and rise >= self.config.min_rel_rise and early_low and clear
+        )
         if not rising or _lr_increased(list(self.block_lrs)):
             self.active = False
             return []
@@ -183,8 +208,13 @@ class DivergenceDetector(Detector):
             self.blocks.values.extend(losses.tolist())
             return series.chunk_end(start)
         n, held = cfg.blocks, len(self.medians)
-        medians = np.concatenate(
-            (np.asarray(self.medians, dtype=np.float64), np.median(done.rows, axis=1))
+        centres = np.median(done.rows, axis=1)
+        medians = np.concatenate((np.asarray(self.medians, dtype=np.float64), centres))
+        spreads = np.concatenate(
+            (
+                np.asarray(self.spreads, dtype=np.float64),
+                np.median(np.abs(done.rows - centres[:, None]), axis=1),
+            )
         )
         new_lrs = (
             series.lr[idx[done.ends]] if series.lr is not None else np.full(done.count, np.nan)
@@ -206,7 +236,10 @@ class DivergenceDetector(Detector):
             with np.errstate(divide="ignore", invalid="ignore"):
                 rise = np.where(low != 0, (rows[:, -1] - low) / np.abs(low), 0.0)
             early_low = np.argmin(rows, axis=1) < n // 2
-            rising = (z > cfg.z_threshold) & (rise >= cfg.min_rel_rise) & early_low
+            spread_rows = sliding_window_view(spreads, n)[max(held - n + 1, 0) :]
+            noise = _median_noise(rows, spread_rows, done.size)
+            clear = rows[:, -1] - low > RISE_NOISE * noise
+            rising = (z > cfg.z_threshold) & (rise >= cfg.min_rel_rise) & early_low & clear
             cond[done.count - len(rows) :] = rising
         cond &= ~lr_jump
         active = np.empty(done.count, dtype=bool)  # the flag before each block
@@ -220,6 +253,7 @@ class DivergenceDetector(Detector):
         else:
             self.active = bool(active[f])
         self.medians = deque(medians[: held + f][-n:].tolist(), maxlen=n)
+        self.spreads = deque(spreads[: held + f][-n:].tolist(), maxlen=n)
         kept = int(lr_count[f - 1]) if f > 0 else len(self.block_lrs)
         self.block_lrs = deque(lrs[:kept].tolist(), maxlen=self.block_lrs.maxlen)
         self.blocks.values = done.partial_before(f)
