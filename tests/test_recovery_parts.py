@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -431,6 +432,8 @@ def test_a_rollback_skips_a_share_of_the_data_left_and_the_end_of_the_data_is_an
     assert skipped["metrics"]["left"] == 26 and "not 200" in skipped["message"]
     (ended,) = [e for e in found if e["kind"] == "data_exhausted"]
     assert ended["metrics"]["skipped"] == 2 and ended["step"] == 58  # 60 batches, 2 skipped
+    assert ended["metrics"]["planned_steps"] == 60 and ended["severity"] == "warning"
+    assert "the run planned 60 steps (the data's length)" in ended["message"]
 
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -533,3 +536,29 @@ def test_a_rollback_where_the_data_goes_on_lands_just_before_the_jump(tmp_path):
     (rollback, *_) = [e for e in found if e["kind"] == "rollback"]
     assert rollback["metrics"]["to_step"] == 60  # the state before the first bad update
     assert rollback["metrics"]["lost_batches"] == 4  # 60..63, no more: the data goes on
+
+
+def test_two_rollbacks_to_the_same_snapshot_find_it_whole(tmp_path):
+    """A rollback restores a copy of the snapshot: training on after it (which moves the weights
+    and the detectors' state) leaves the snapshot as it was, so a second incident that rolls back
+    to the same snapshot restores the very same state."""
+    planted = {33: [spike(0, "loss_spike", "gradient_explosion")]}
+    model, opt, guard, data = guarded_linear(
+        tmp_path, planted, snapshot_every=10, rollback_margin=4
+    )
+    restored = []
+    for x, y, ids in guard.batches(data, ids=lambda b: b[2]):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        decision = guard.step(loss, batch_ids=ids)
+        opt.zero_grad()
+        if decision.action == "rollback":
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+            restored.append((guard.global_step, state, copy.deepcopy(guard.detectors.state_dict())))
+            if len(restored) == 1:  # a second incident before the next snapshot is taken
+                planted[27] = [spike(0, "loss_spike", "gradient_explosion")]
+    guard.close()
+    assert [step for step, _, _ in restored] == [20, 20]
+    (_, first, first_detectors), (_, second, second_detectors) = restored
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert first_detectors == second_detectors

@@ -726,8 +726,12 @@ class Guard:
         return skipped, event
 
     def _data_ended(self, batches: GuardedBatches) -> None:
-        """The data source ran out: one event with what the guard passed over in this pass."""
+        """The data source ran out: one event with what the guard passed over in this pass; the
+        run's planned length is `diagnosis.total_steps`, else the data's `len()`."""
         total = self.config.diagnosis.total_steps
+        basis = ""
+        if total is None and batches.length:
+            total, basis = batches.length, " (the data's length)"
         short = total is not None and self.global_step < total
         passed = batches.skipped + batches.held_out
         message = (
@@ -736,7 +740,7 @@ class Guard:
             f"{batches.held_out} quarantined"
         )
         if short:
-            message += f"; the run planned {total} steps"
+            message += f"; the run planned {total} steps{basis}"
         self._emit(
             Event(
                 step=self.global_step,
