@@ -33,6 +33,7 @@ from trainguard.detectors import (
     VanishingGradientDetector,
 )
 from trainguard.detectors.base import Detector
+from trainguard.detectors.series import MetricSeries
 from trainguard.detectors.stats import student_t_reach
 
 from helpers import lm_curve
@@ -732,3 +733,22 @@ def test_a_recurring_bump_of_the_data_is_not_a_growing_oscillation(period, first
     y = 3.0 + 2.0 / np.sqrt(1 + t / 200) + 0.01 * rng.standard_normal(2500)
     y[((t % period) < 4) & (t >= first)] += 0.3
     assert feed(OscillationDetector(), y) == []
+
+
+def test_a_state_saved_before_a_key_existed_loads_with_that_key_fresh():
+    """A divergence state from before the block spreads were kept (a checkpoint of an earlier
+    version) loads: the spreads start empty and fill as blocks complete."""
+    detector = DivergenceDetector()
+    feed(detector, lm_curve(1000, seed=3))
+    old = detector.state_dict()
+    del old["spreads"]
+    fresh = DivergenceDetector()
+    fresh.load_state_dict(json.loads(json.dumps(old)))
+    assert list(fresh.medians) == list(detector.medians) and list(fresh.spreads) == []
+    bulk = DivergenceDetector()
+    bulk.load_state_dict(json.loads(json.dumps(old)))
+    later = lm_curve(1000, seed=4)
+    assert feed(fresh, later) == []
+    series = MetricSeries(steps=np.arange(1000, 2000), loss=later)
+    assert bulk.advance(series, 0) == 1000  # the bulk path takes it all, as `update` did
+    assert list(bulk.spreads) == list(fresh.spreads) and list(bulk.medians) == list(fresh.medians)

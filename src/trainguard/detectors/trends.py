@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections import deque
 from typing import Any
 
@@ -136,8 +137,11 @@ def _median_noise(medians: np.ndarray, spreads: np.ndarray, size: int) -> np.nda
     """The noise of a block median, each row: from the losses' spread within the blocks (their
     median absolute deviation), which a rise across the blocks does not inflate; from the
     medians' successive differences where blocks hold too few losses for a spread."""
-    if size >= 3:
-        within: np.ndarray = 1.2533 * 1.4826 * np.median(spreads, axis=1) / math.sqrt(size)
+    if size >= 3:  # a spread not kept (NaN: a state saved before spreads were) is passed over
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all NaN: no noise, no divergence
+            spread = np.nanmedian(spreads, axis=1)
+        within: np.ndarray = 1.2533 * 1.4826 * spread / math.sqrt(size)
         return within
     diffs: np.ndarray = 1.4826 * np.median(np.abs(np.diff(medians, axis=1)), axis=1)
     return diffs / math.sqrt(2.0)
@@ -176,7 +180,7 @@ class DivergenceDetector(Detector):
         low = min(values)
         rise = (values[-1] - low) / abs(low) if low != 0 else 0.0
         early_low = values.index(low) < len(values) // 2
-        noise = _median_noise(np.asarray([values]), np.asarray([list(self.spreads)]), len(block))
+        noise = _median_noise(np.asarray([values]), np.asarray([self._spreads()]), len(block))
         clear = values[-1] - low > RISE_NOISE * float(noise[0])
         rising = (
             z > self.config.z_threshold and rise >= self.config.min_rel_rise and early_low and clear
@@ -200,6 +204,10 @@ class DivergenceDetector(Detector):
         }
         return [self.event(point, "critical", message, metrics)]
 
+    def _spreads(self) -> list[float]:
+        """The spreads beside the medians, NaN for a median whose spread was never kept."""
+        return [math.nan] * (len(self.medians) - len(self.spreads)) + list(self.spreads)
+
     def advance(self, series: MetricSeries, start: int) -> int:
         cfg = self.config
         idx, losses = series.finite_losses(start)
@@ -212,7 +220,7 @@ class DivergenceDetector(Detector):
         medians = np.concatenate((np.asarray(self.medians, dtype=np.float64), centres))
         spreads = np.concatenate(
             (
-                np.asarray(self.spreads, dtype=np.float64),
+                np.asarray(self._spreads(), dtype=np.float64),
                 np.median(np.abs(done.rows - centres[:, None]), axis=1),
             )
         )
