@@ -273,6 +273,24 @@ def test_spike_type_optimizer_when_loss_swings_periodically():
     assert spike.type == "optimizer"
 
 
+def test_a_jump_far_past_the_swing_is_no_optimizer_spike_and_staying_up_is_an_explosion():
+    """A loss that swung a little before (a weak period) and then jumps 300x (a x1000 write to
+    the weights) is not the swing grown too far: typed a sudden jump, and, as it stays far up,
+    revised as a gradient explosion (which the policy rolls back), not confirmed optimizer."""
+    t = np.arange(3000)
+    y = (
+        2.0
+        + 0.15 * np.sin(2 * np.pi * t / 16)
+        + 0.002 * np.random.default_rng(9).standard_normal(3000)
+    )
+    y[2004:] = 600.0 + 50.0 * np.random.default_rng(10).standard_normal(996)
+    events = feed(LossSpikeDetector(), y)
+    spike = next(e for e in events if e.kind == "loss_spike")
+    revised = next(e for e in events if e.kind == "spike_classified")
+    assert spike.step == 2004 and spike.type == "data_toxicity"
+    assert revised.type == "gradient_explosion"
+
+
 def test_spike_type_architecture_after_a_steady_rise():
     rng = np.random.default_rng(10)
     y = np.concatenate([2.0 + 0.01 * rng.standard_normal(500), 2.0 + 0.004 * np.arange(100)])

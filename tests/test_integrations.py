@@ -51,8 +51,9 @@ def samples(n: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def hf_train(tmp_path, model: nn.Module, callback, **overrides):
-    """A 70-step Trainer run on the CPU with the callback; its Trainer."""
+def hf_train(tmp_path, model: nn.Module, callback, batches: int = 70, extra=(), **overrides):
+    """A 70-step Trainer run on the CPU with the callback, over `batches` batches of data; its
+    Trainer."""
     from transformers import Trainer, TrainingArguments
 
     settings = {
@@ -69,8 +70,8 @@ def hf_train(tmp_path, model: nn.Module, callback, **overrides):
     trainer = Trainer(
         model=model,
         args=TrainingArguments(**settings),
-        train_dataset=samples(70 * 8),
-        callbacks=[callback],
+        train_dataset=samples(batches * 8),
+        callbacks=[callback, *extra],
     )
     trainer.train()
     return trainer
@@ -246,6 +247,37 @@ def test_the_hf_trainer_rolls_back_through_the_guard(tmp_path):
     assert trainer.state.global_step == 70
     assert callback.guard.action_counts["rollback"] == len(rollbacks)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_an_hf_run_makes_up_the_steps_a_rollback_undid_with_its_schedule_put_back(tmp_path):
+    """With data past max_steps, the steps a rollback undid and the skipped ones are taken again:
+    the guard ends at its 70 planned good steps, the Trainer at 70 plus those, and the replayed
+    steps run at the LR they had (the schedule put back with the weights), so the linear
+    schedule reaches 0 at the last step, not before it."""
+    from transformers import TrainerCallback
+
+    from trainguard.integrations.hf import TrainguardCallback
+
+    class Corrupt(TrainerCallback):  # a write of x1000 to a layer's weights before step 40
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 40:
+                with torch.no_grad():
+                    model.lm_head.weight.mul_(1000.0)  # tied to the embedding
+
+    model = tiny_gpt2()
+    config = tg.GuardConfig.from_dict({"console": False, "recovery": {"snapshot_every": 10}})
+    callback = TrainguardCallback(config)
+    trainer = hf_train(tmp_path, model, callback, 100, [Corrupt()], learning_rate=3e-3)
+    found = events(tmp_path / "trainguard" / "events.jsonl")
+    (rollback,) = [e for e in found if e["kind"] == "rollback"]
+    lost = rollback["metrics"]["lost_batches"]
+    assert callback.guard is not None and callback.guard.global_step == 70
+    assert callback.lost_steps == lost and trainer.state.global_step == 70 + lost
+    assert trainer.lr_scheduler.get_last_lr()[0] == 0.0  # the schedule ends at the last step
+    rows = events(tmp_path / "trainguard" / "metrics.jsonl")
+    to_step = rollback["metrics"]["to_step"]
+    first, again = [r["lr"] for r in rows if r["step"] == to_step]
+    assert again == first  # the LR kept (a sudden incident), the schedule put back to that step
 
 
 def test_a_halt_stops_the_lightning_fit_with_the_diagnosis(tmp_path):

@@ -38,6 +38,8 @@ TREND_Z = 4.0  # Mann-Kendall z of the pre-spike losses that reads as a steady r
 TREND_SPAN = 96  # pre-spike steps whose trend is tested
 BUILD_UP = 16  # a rise confined to this many steps before the spike is an instability brewing
 SWING_JUMP = 2.0  # a lasting rise this many times a swing's height is a jump, not its top
+SWING_EXPLAINS = 50.0  # a swing before a spike types it optimizer only up to this many times
+# its height: a loss 300x up (a x1000 write to the weights) is not the swing grown too far
 PERIOD_ACF = 0.35  # autocorrelation at the dominant period that reads as oscillation
 GRAD_HIGH = 2.0  # grad norm over this x its baseline mean counts as elevated
 Z_BIN = 0.25  # width of the |z| histogram bins that measure how heavy the noise tails are
@@ -268,7 +270,7 @@ class LossSpikeDetector(Detector):
         known = [g for g in spike_grads if g is not None and math.isfinite(g)]
         # the run's own grad norm: no explosion without a rise of it where it is known
         grad_rose = None if not known or not grad_mean else max(known) > GRAD_HIGH * grad_mean
-        spike_type, confidence, why = self._classify(point, held, grad_rose)
+        spike_type, confidence, why = self._classify(point, held, grad_rose, jump)
         self.watch = {
             "step": point.step,
             "type": spike_type,
@@ -479,10 +481,16 @@ class LossSpikeDetector(Detector):
             )
 
     def _classify(
-        self, point: MetricPoint, held: int = 1, grad_rose: bool | None = None
+        self,
+        point: MetricPoint,
+        held: int = 1,
+        grad_rose: bool | None = None,
+        jump: float = 0.0,
     ) -> tuple[SpikeType, float, str]:
         """First guess of the cause from what came before the spike and how long it has held;
-        never a gradient explosion when the grad norm is known (`grad_rose` not None) and flat."""
+        never a gradient explosion when the grad norm is known (`grad_rose` not None) and flat;
+        an optimizer spike only where the swing before it is within `SWING_EXPLAINS` of its
+        `jump` over the level."""
         recent = list(self.window)
         pre = recent[-TREND_SPAN:]
         trend = mann_kendall_z(pre)
@@ -493,7 +501,7 @@ class LossSpikeDetector(Detector):
                 f"the loss was rising steadily before it (trend z={trend:.1f})",
             )
         swing = self._swing(recent)
-        if swing is not None:
+        if swing is not None and jump <= SWING_EXPLAINS * swing[2]:
             period, acf, _ = swing
             return (
                 "optimizer",

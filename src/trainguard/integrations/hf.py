@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,12 @@ class TrainguardCallback(TrainerCallback):
     `max_grad_norm` and the Trainer's own clipping is turned off, so the guard sees the
     gradient norm before clipping; otherwise the Trainer clips first and the guard only
     watches the clipped norm. The Trainer's planned steps (`max_steps`) size the recovery
-    (snapshot interval) unless `diagnosis.total_steps` is set."""
+    (snapshot interval) unless `diagnosis.total_steps` is set.
+
+    A skipped or rolled-back step is no progress: the LR schedule is put back to where the
+    guard's step count is (from the scheduler's `state_dict`, kept each step), and the Trainer's
+    `max_steps` grows by the steps lost, so the run still takes its planned number of good
+    steps as far as its data reaches (a run bounded by epochs ends with its data)."""
 
     def __init__(
         self,
@@ -39,6 +45,11 @@ class TrainguardCallback(TrainerCallback):
         self.halted: TrainingHalted | None = None
         self._losses: list[torch.Tensor] = []
         self._hook: Any = None
+        self._scheduler: Any = None
+        # the scheduler's state just before the Trainer steps it into each guard step
+        self._schedules: dict[int, dict[str, Any]] = {}
+        self._planned: int | None = None  # the Trainer's max_steps at the start
+        self.lost_steps = 0  # steps skipped or undone by a rollback, made up for at the end
 
     def on_train_begin(
         self,
@@ -69,6 +80,11 @@ class TrainguardCallback(TrainerCallback):
             self.guard.close()
         self.guard = Guard(model, inner, config=config, run_dir=run_dir)
         self._hook = model.register_forward_hook(self._capture)
+        self._planned = int(planned) if planned is not None else None
+        self.lost_steps = 0
+        self._scheduler = kwargs.get("lr_scheduler")
+        self._schedules = {}
+        self._keep_schedule()
         callback = self
 
         def guarded_step(*step_args: Any, **step_kwargs: Any) -> None:
@@ -101,16 +117,39 @@ class TrainguardCallback(TrainerCallback):
             )
         loss = torch.stack(self._losses).mean()  # the micro-batches of this optimizer step
         self._losses = []
+        before = self.guard.global_step
         try:
             self.guard.step(loss)
         except TrainingHalted as exc:
             self.halted = exc
+            return
+        now = self.guard.global_step
+        if now != before + 1:  # skipped, or rolled back: the schedule goes back with the state
+            self.lost_steps += before + 1 - now
+            saved = self._schedules.get(now)
+            if self._scheduler is not None and saved is not None:
+                self._scheduler.load_state_dict(copy.deepcopy(saved))
+        self._keep_schedule()
+
+    def _keep_schedule(self) -> None:
+        """Keep the scheduler's state for the guard's next step (before the Trainer steps it),
+        for as far back as a rollback can reach."""
+        if self._scheduler is None or self.guard is None:
+            return
+        step = self.guard.global_step
+        self._schedules[step] = copy.deepcopy(self._scheduler.state_dict())
+        snapshots = self.guard.ring.snapshots
+        oldest = min((s.step for s in snapshots), default=step)
+        for kept in [k for k in self._schedules if k < oldest or k > step]:
+            del self._schedules[kept]
 
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self.halted is not None:
             control.should_training_stop = True
+        elif self._planned is not None:  # the Trainer stops at max_steps: the lost ones made up
+            state.max_steps = self._planned + self.lost_steps
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
