@@ -11,10 +11,10 @@ rollbacks, halts, quarantined batches and samples, skips (from the run's own `me
 caught (an event of warning or worse, or a skip, rollback or halt, from the fault's first step
 to CATCH_WINDOW steps after its last) and the held-out loss at the end.
 
-Split: regimes alternate into a tuning and a held-out half in list order (even index: tuning);
-seeds too (even: tuning). The tuning half is an even seed on a tuning regime: only there may
-thresholds be tuned. Everything else touches a held-out seed or regime, and is the held-out half
-the targets are judged on:
+Split, by seed: seeds 0 to 3 of every regime are the tuning half (earlier sessions saw every run
+of seeds 0 and 1, and session 9 tuned after looking at seeds 2 and 3; until session 8 the halves
+alternated regimes and seeds); seeds 4 and 5, first run after the last change to the guard's
+judging, are the held-out half the targets are judged on:
 
 - no rollback, halt or quarantine on any clean run;
 - at most 1 skip per 10,000 clean steps (summed over the clean runs);
@@ -34,11 +34,11 @@ single-row outlier is allowed, an action there is not; an event up to LOG_SLACK_
 after a labelled span belongs to it; unlabelled files are listed apart. A file's half is its
 label's, else the sha256 rule of the held-out split.
 
-Run: python benchmarks/trust.py [--seeds 0 1] [--regimes NAME ...] [--quick] [--curves DIR]
-[--jobs 2] [--out FILE.json] [--no-write]; `--report FILE.json ...` renders saved runs again
-(a later file's runs of a regime and seed replace an earlier one's), `--logs-only` judges only
-the logs. The default (16 regimes, seeds 0 and 1, 2 worker processes) takes about 17 minutes of
-CPU time, so about 10 minutes on an idle 2-core machine.
+Run: python benchmarks/trust.py [--seeds 0 1 2 3 4 5] [--regimes NAME ...] [--quick] [--curves DIR]
+[--jobs 2] [--out FILE.json] [--keep DIR] [--no-write]; `--report FILE.json ...` renders saved
+runs again (a later file's runs of a regime and seed replace an earlier one's), `--logs-only`
+judges only the logs, `--keep DIR` copies each guarded run's files there. The default (16
+regimes, seeds 0 to 5, 2 worker processes) takes about 15 minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -366,12 +367,13 @@ REGIMES: list[Regime] = [
 ]
 
 
-def regime_half(index: int) -> str:
-    return "tune" if index % 2 == 0 else "held_out"
+SEEDS = [0, 1, 2, 3, 4, 5]
+TUNED_SEEDS = (0, 1, 2, 3)  # looked at (and tuned on): every regime of them is the tuning half.
+# Seeds 4 and 5 were first run after the guard's last change: held out.
 
 
 def seed_half(seed: int) -> str:
-    return "tune" if seed % 2 == 0 else "held_out"
+    return "tune" if seed in TUNED_SEEDS else "held_out"
 
 
 # -- a run and what it left in its files -------------------------------------------------------
@@ -413,6 +415,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def judge_files(result: RunResult, run_dir: Path) -> None:
     """Fill in the counts from the run's files, and whether its fault was caught."""
+    keep = os.environ.get("TRUST_KEEP")
+    if keep:  # --keep: the run's files, for a look after
+        name = f"{result.regime}-{result.seed}-{result.fault}"
+        shutil.copytree(run_dir, Path(keep, name), dirs_exist_ok=True)
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     events = read_jsonl(run_dir / "events.jsonl")
     actions = Counter(str(m.get("action")) for m in metrics)
@@ -654,8 +660,8 @@ def gpt2_eval(model: nn.Module, evals: list[torch.Tensor]) -> float:
 
 
 def run_hf(regime: Regime, seed: int, fault: str, guarded: bool, steps: int) -> RunResult:
-    """The Trainer (batch 8, AdamW at 3e-3, its linear schedule, clipping at 1.0) with the
-    trainguard callback, or without it."""
+    """The Trainer (batch 8, AdamW at 3e-3, its linear schedule, clipping at 1.0, max_steps
+    `steps` over more data than that) with the trainguard callback, or without it."""
     from transformers import PrinterCallback, Trainer, TrainingArguments
     from transformers.utils import logging as hf_logging
 
@@ -664,7 +670,9 @@ def run_hf(regime: Regime, seed: int, fault: str, guarded: bool, steps: int) -> 
     hf_logging.set_verbosity_error()
     result = RunResult(regime.name, seed, fault, guarded, steps)
     model = gpt2(seed)
-    train, evals = gpt2_data(seed, steps * 8)
+    # data past max_steps, as the loop regimes have: the callback makes up the steps a
+    # rollback undid, as far as the data reaches
+    train, evals = gpt2_data(seed, (steps + steps // 5 + 20) * 8)
     start, cpu = time.perf_counter(), time.process_time()
     with tempfile.TemporaryDirectory(prefix="trust-") as tmp:
         callback = TrainguardCallback(config(), run_dir=Path(tmp, "guard")) if guarded else None
@@ -707,7 +715,11 @@ def run_hf(regime: Regime, seed: int, fault: str, guarded: bool, steps: int) -> 
             hooks.remove()
             if hooks.burst is not None:
                 hooks.burst.remove()
-        result.steps_done = int(trainer.state.global_step)
+        result.steps_done = (  # the guard's good steps (the Trainer's count has the made-up)
+            callback.guard.global_step
+            if callback is not None and callback.guard is not None
+            else int(trainer.state.global_step)
+        )
         result.fault_step, result.fault_end = hooks.fault_step, hooks.fault_end
         result.eval_loss = gpt2_eval(model, evals)
         if callback is not None:
@@ -1194,11 +1206,9 @@ def report(
     seconds: float,
     quick: bool,
 ) -> str:
-    index = {r.name: i for i, r in enumerate(REGIMES)}
 
     def half_of(regime: str, seed: int) -> str:
-        tuned = regime_half(index[regime]) == "tune" and seed_half(seed) == "tune"
-        return "tune" if tuned else "held_out"
+        return seed_half(seed)
 
     comparisons = compare(results, half_of)
     lines = [
@@ -1211,12 +1221,15 @@ def report(
         f"linear layer's weights x{CORRUPT_FACTOR:g}; caught = an event of warning or worse, or "
         f"a skip, rollback or halt, from the fault to {CATCH_WINDOW} steps after it.",
         "",
-        "Halves: regimes alternate in list order (tuning: "
-        + ", ".join(r.name for r in REGIMES if regime_half(index[r.name]) == "tune")
-        + "; held out: "
-        + ", ".join(r.name for r in REGIMES if regime_half(index[r.name]) == "held_out")
-        + "); seeds too (even: tuning, odd: held out). The tuning half is an even seed on a "
-        "tuning regime; every other run is held out, and the targets are judged there.",
+        "Halves, by seed: seeds "
+        + ", ".join(map(str, TUNED_SEEDS))
+        + " of every regime are the tuning half (earlier sessions saw them, and tuned on what "
+        "they showed); seeds "
+        + ", ".join(str(s) for s in seeds if s not in TUNED_SEEDS)
+        + " are held out (first run after the last change to the guard's judging), and the "
+        "targets are judged there. Until session 8 the halves alternated regimes and seeds (seed 1 "
+        "and the odd regimes held out); session 9 held out seeds 2 and 3, then tuned after "
+        "seeing them.",
         "",
     ]
     for half, title in (("held_out", "Held-out half (the targets)"), ("tune", "Tuning half")):
@@ -1350,7 +1363,7 @@ def progress(task: tuple[str, int, bool], rs: list[RunResult]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--seeds", type=int, nargs="+", default=SEEDS)
     parser.add_argument("--regimes", nargs="+", default=None, help="names (default: all)")
     parser.add_argument("--quick", action="store_true", help="at most 300 steps a regime")
     parser.add_argument("--curves", default=None, help="the folder of real logs (or TRUST_CURVES)")
@@ -1364,6 +1377,7 @@ def main() -> None:
     parser.add_argument("--logs-from", default=None, help="with --report: the logs of this --out")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (2 cores: 2)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--keep", default=None, help="copy each guarded run's files here")
     parser.add_argument("--no-write", action="store_true", help="leave RESULTS.md alone")
     args = parser.parse_args()
     names = {r.name for r in REGIMES}
@@ -1403,6 +1417,8 @@ def main() -> None:
 
             write_section("trust", TITLE, text, args.command)
         return
+    if args.keep:  # read by judge_files, in the worker processes too
+        os.environ["TRUST_KEEP"] = str(Path(args.keep).resolve())
     torch.set_num_threads(1)
     start = time.perf_counter()
     tasks = [(r.name, seed, args.quick) for r in regimes for seed in args.seeds]
@@ -1447,7 +1463,7 @@ def main() -> None:
         from _common import write_section
 
         command = "python benchmarks/trust.py" + (
-            f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds != [0, 1] else ""
+            f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds != SEEDS else ""
         )
         write_section("trust", TITLE, text, command)
 
