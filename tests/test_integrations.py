@@ -250,10 +250,10 @@ def test_the_hf_trainer_rolls_back_through_the_guard(tmp_path):
 
 
 def test_an_hf_run_makes_up_the_steps_a_rollback_undid_with_its_schedule_put_back(tmp_path):
-    """With data past max_steps, the steps a rollback undid and the skipped ones are taken again:
-    the guard ends at its 70 planned good steps, the Trainer at 70 plus those, and the replayed
-    steps run at the LR they had (the schedule put back with the weights), so the linear
-    schedule reaches 0 at the last step, not before it."""
+    """With data past max_steps, the steps a rollback undid are taken again: the guard ends at
+    its 70 planned good steps, the Trainer at 70 plus those, and the replayed steps run at the
+    LR they had (the schedule put back with the weights), so the linear schedule reaches 0
+    after the last step, not before it."""
     from transformers import TrainerCallback
 
     from trainguard.integrations.hf import TrainguardCallback
@@ -275,9 +275,48 @@ def test_an_hf_run_makes_up_the_steps_a_rollback_undid_with_its_schedule_put_bac
     assert callback.lost_steps == lost and trainer.state.global_step == 70 + lost
     assert trainer.lr_scheduler.get_last_lr()[0] == 0.0  # the schedule ends at the last step
     rows = events(tmp_path / "trainguard" / "metrics.jsonl")
+    assert rows[-1]["step"] == 69 and rows[-1]["lr"] > 0  # not run out before the last step
     to_step = rollback["metrics"]["to_step"]
     first, again = [r["lr"] for r in rows if r["step"] == to_step]
     assert again == first  # the LR kept (a sudden incident), the schedule put back to that step
+
+
+def test_the_hf_callback_reads_lost_steps_back_on_resume_and_leaves_streams_alone(tmp_path):
+    """Resumed from a checkpoint whose schedule is 4 steps behind the Trainer's count (4 steps
+    lost before it), the callback makes those up too; over data without a length (which the
+    Trainer starts over past max_steps) it raises nothing."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments, get_scheduler
+
+    from trainguard.integrations.hf import TrainguardCallback
+
+    def begin(loader: object, name: str) -> tuple[TrainguardCallback, TrainerState]:
+        model = tiny_gpt2()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=70)
+        for _ in range(56):
+            optimizer.step()
+            scheduler.step()
+        state = TrainerState(global_step=60, max_steps=70)
+        args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+        callback = TrainguardCallback(tg.GuardConfig(console=False), run_dir=tmp_path / name)
+        callback.on_train_begin(
+            args,
+            state,
+            TrainerControl(),
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            train_dataloader=loader,
+        )
+        callback.on_optimizer_step(args, state, TrainerControl())
+        return callback, state
+
+    resumed, state = begin([0] * 100, "resumed")
+    assert resumed.lost_steps == 4 and state.max_steps == 74
+    streamed, state = begin(iter(range(100)), "streamed")
+    assert state.max_steps == 70
+    for callback in (resumed, streamed):
+        callback.on_train_end(None, None, None)  # type: ignore[arg-type]
 
 
 def test_a_halt_stops_the_lightning_fit_with_the_diagnosis(tmp_path):

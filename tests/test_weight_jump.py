@@ -93,6 +93,18 @@ def test_a_small_burst_on_a_fitted_model_is_named_though_fresh_weights_moved_mor
     assert run(WeightJumpDetector(), fitted(burst=False)) == []
 
 
+def test_a_warm_restart_of_the_lr_explains_the_jump_it_makes() -> None:
+    """The LR the run gives jumping x10 (a warm restart) moves the weights x10 further: no
+    warning; the same jump with the LR unchanged (a burst inside the optimizer) warns."""
+    points = stream(400, {s: 1.02 for s in range(300, 303)})
+    for p in points:
+        p.lr = 1e-3 if 300 <= p.step < 350 else 1e-4
+    assert run(WeightJumpDetector(), points) == []
+    for p in points:
+        p.lr = 1e-4
+    assert [e.step for e in run(WeightJumpDetector(), points)] == [300]
+
+
 def test_zero_and_non_finite_norms_give_no_ratio() -> None:
     detector = WeightJumpDetector()
     points = stream(100, {})
@@ -151,14 +163,24 @@ def train(
 ) -> tuple[list[dict[str, Any]], list[str]]:
     model, opt, batches = fitted_classifier(0)
     guard = tg.Guard(model, opt, config=tg.GuardConfig(console=False), run_dir=tmp_path)
-    lrs = [g["lr"] for g in opt.param_groups]
+    factor = {"now": 1.0}
+
+    def burst_on(*_: Any) -> None:  # an LR x100 inside the optimizer's step: the guard never
+        for g in opt.param_groups:  # reads it (a bug in a fused optimizer, corrupted state)
+            g["lr"] *= factor["now"]
+
+    def burst_off(*_: Any) -> None:
+        for g in opt.param_groups:
+            g["lr"] /= factor["now"]
+
+    opt.register_step_pre_hook(burst_on)
+    opt.register_step_post_hook(burst_off)
     actions = []
     for step, (x, y) in enumerate(batches[:steps]):
         if fault == "write" and step == at:
             with torch.no_grad():
                 model[2].weight.mul_(1000)
-        for g, lr in zip(opt.param_groups, lrs, strict=True):  # an LR x100 the guard never reads
-            g["lr"] = lr * (100 if fault == "burst" and at <= step < at + 3 else 1)
+        factor["now"] = 100.0 if fault == "burst" and at <= step < at + 3 else 1.0
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         actions.append(guard.step(loss).action)

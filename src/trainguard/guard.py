@@ -726,12 +726,10 @@ class Guard:
         return skipped, event
 
     def _data_ended(self, batches: GuardedBatches) -> None:
-        """The data source ran out: one event with what the guard passed over in this pass; the
-        run's planned length is `diagnosis.total_steps`, else the data's `len()`."""
+        """The data source ran out: one event with what the guard passed over in this pass,
+        the pass's length (`len()` of the data, where it has one) and, against
+        `diagnosis.total_steps`, whether the run fell short of its plan."""
         total = self.config.diagnosis.total_steps
-        basis = ""
-        if total is None and batches.length:
-            total, basis = batches.length, " (the data's length)"
         short = total is not None and self.global_step < total
         passed = batches.skipped + batches.held_out
         message = (
@@ -740,7 +738,9 @@ class Guard:
             f"{batches.held_out} quarantined"
         )
         if short:
-            message += f"; the run planned {total} steps{basis}"
+            message += f"; the run planned {total} steps"
+        elif total is None and batches.length:  # one pass of several, maybe: no plan to judge
+            message += f"; a pass of the data is {batches.length} batches"
         self._emit(
             Event(
                 step=self.global_step,
@@ -752,6 +752,7 @@ class Guard:
                     "skipped": batches.skipped,
                     "quarantined": batches.held_out,
                     "planned_steps": total,
+                    "data_length": batches.length,
                 },
             )
         )

@@ -180,17 +180,22 @@ def scaled_config(config: GuardConfig, steps: np.ndarray, loss: np.ndarray) -> G
 def _windows_in_steps(events: list[Event], cfg: GuardConfig, data: LogData) -> list[Event]:
     """Stall and divergence messages that name their window in logged points and the steps
     those span, where the window was scaled to the log's spacing (`scaled_config`)."""
-    windows = {"stall": cfg.stall.window, "divergence": cfg.divergence.window}
+    windows = {
+        "stall": (cfg.stall.window, cfg.stall.blocks),
+        "divergence": (cfg.divergence.window, cfg.divergence.blocks),
+    }
     if len(data.steps) < 2 or float(np.median(np.diff(data.steps))) <= 1.0:
         return events  # a point a step: the window's points are its steps
+    judged = data.steps[np.isfinite(data.loss)]  # the detectors pass over NaN/Inf rows
     out = []
     for e in events:
-        w = windows.get(e.kind)
-        said = f"over the last {w} steps"
-        if w is not None and said in e.message:
-            at = int(np.searchsorted(data.steps, e.step))
-            first = int(data.steps[max(at - w + 1, 0)])
-            told = f"over the last {w} logged points (steps {first}..{e.step})"
+        window, blocks = windows.get(e.kind, (None, 1))
+        said = f"over the last {window} steps"
+        if window is not None and said in e.message and len(judged):
+            points = blocks * max(window // blocks, 1)  # whole blocks: what was judged
+            at = int(np.searchsorted(judged, e.step))
+            first = int(judged[max(at - points + 1, 0)])
+            told = f"over the last {points} logged points (steps {first}..{e.step})"
             e = dataclasses.replace(e, message=e.message.replace(said, told))
         out.append(e)
     return out

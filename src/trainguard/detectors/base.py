@@ -69,8 +69,8 @@ class Detector:
         return {key: _export(getattr(self, key)) for key in self._state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a `state_dict`; a key a state saved by an earlier version lacks keeps its fresh
-        value."""
+        """Load a `state_dict`; a key that a state saved by an earlier version lacks keeps the
+        value it has (a new detector's fresh one: load into a new detector)."""
         for key in self._state:
             if key not in state:
                 continue

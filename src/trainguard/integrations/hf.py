@@ -27,10 +27,13 @@ class TrainguardCallback(TrainerCallback):
     watches the clipped norm. The Trainer's planned steps (`max_steps`) size the recovery
     (snapshot interval) unless `diagnosis.total_steps` is set.
 
-    A skipped or rolled-back step is no progress: the LR schedule is put back to where the
-    guard's step count is (from the scheduler's `state_dict`, kept each step), and the Trainer's
+    A rollback's lost steps are made up: the LR schedule is put back to the step the guard
+    rolled back to (from the scheduler's `state_dict`, kept each step), and the Trainer's
     `max_steps` grows by the steps lost, so the run still takes its planned number of good
-    steps as far as its data reaches (a run bounded by epochs ends with its data)."""
+    steps as far as its data reaches (a run bounded by epochs ends with its data; data without
+    a length, which the Trainer would start over, is not extended). A skipped step counts as a
+    step, as in the plain loop. On resume from a checkpoint the steps lost before it are read
+    back from the schedule, which is that many steps behind the Trainer's count."""
 
     def __init__(
         self,
@@ -48,8 +51,8 @@ class TrainguardCallback(TrainerCallback):
         self._scheduler: Any = None
         # the scheduler's state just before the Trainer steps it into each guard step
         self._schedules: dict[int, dict[str, Any]] = {}
-        self._planned: int | None = None  # the Trainer's max_steps at the start
-        self.lost_steps = 0  # steps skipped or undone by a rollback, made up for at the end
+        self._planned: int | None = None  # the Trainer's max_steps at the start, if extensible
+        self.lost_steps = 0  # steps undone by rollbacks, made up for at the end
 
     def on_train_begin(
         self,
@@ -80,9 +83,13 @@ class TrainguardCallback(TrainerCallback):
             self.guard.close()
         self.guard = Guard(model, inner, config=config, run_dir=run_dir)
         self._hook = model.register_forward_hook(self._capture)
-        self._planned = int(planned) if planned is not None else None
-        self.lost_steps = 0
         self._scheduler = kwargs.get("lr_scheduler")
+        self._planned = int(planned) if planned is not None and _sized(kwargs) else None
+        last = getattr(self._scheduler, "last_epoch", None)
+        counts = isinstance(self._scheduler, torch.optim.lr_scheduler.LRScheduler)
+        # resumed: the checkpoint's schedule is behind the Trainer's count by the steps lost
+        behind = state.global_step - last if counts and isinstance(last, int) else 0
+        self.lost_steps = max(0, behind)
         self._schedules = {}
         self._keep_schedule()
         callback = self
@@ -124,7 +131,7 @@ class TrainguardCallback(TrainerCallback):
             self.halted = exc
             return
         now = self.guard.global_step
-        if now != before + 1:  # skipped, or rolled back: the schedule goes back with the state
+        if now != before + 1:  # rolled back (a skip counts as a step): the schedule goes back
             self.lost_steps += before + 1 - now
             saved = self._schedules.get(now)
             if self._scheduler is not None and saved is not None:
@@ -159,3 +166,13 @@ class TrainguardCallback(TrainerCallback):
             self._hook = None
         if self.guard is not None and self.halted is None:
             self.guard.close()
+
+
+def _sized(kwargs: dict[str, Any]) -> bool:
+    """Whether the Trainer's data has a length: only then do extra steps take data not yet
+    seen (without one, the Trainer starts the stream over after `max_steps`)."""
+    loader = kwargs.get("train_dataloader")
+    try:
+        return loader is not None and len(loader) > 0
+    except TypeError:
+        return False
