@@ -1206,7 +1206,6 @@ def report(
     seconds: float,
     quick: bool,
 ) -> str:
-
     def half_of(regime: str, seed: int) -> str:
         return seed_half(seed)
 

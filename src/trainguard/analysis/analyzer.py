@@ -16,7 +16,7 @@ from trainguard.config import DivergenceConfig, GuardConfig
 from trainguard.detectors import DetectorSuite
 from trainguard.detectors.nonfinite import inferred_overflow
 from trainguard.detectors.series import MetricSeries
-from trainguard.detectors.stats import noise_and_drift
+from trainguard.detectors.stats import WARM_RESTART, noise_and_drift
 from trainguard.events import SEVERITY_RANK, SPIKE_TYPES, Event, Severity, SpikeType
 
 SPIKE_WINDOW = 128
@@ -259,7 +259,7 @@ def sparse_rises(
         if lr is not None:
             rates = lr[idx[j - k] : idx[j] + 1]
             rates = rates[np.isfinite(rates)]
-            if len(rates) > 1 and bool(np.any(rates[1:] > 1.5 * rates[:-1])):
+            if len(rates) > 1 and bool(np.any(rates[1:] > WARM_RESTART * rates[:-1])):
                 continue
         active_level, last_j = level, j
         rise = (window[-1] - level) / abs(level)

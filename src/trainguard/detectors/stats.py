@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 MAD_TO_SIGMA = 1.4826
+WARM_RESTART = 1.5  # an LR this many times the one before it is a restart, not a warmup step
 
 
 def median(values: Sequence[float]) -> float:
@@ -43,6 +44,12 @@ def noise_and_drift(values: Sequence[float]) -> tuple[float, float]:
     else:
         diffs = [d - centre for d in diffs]
     return math.sqrt(sum(d * d for d in diffs) / len(diffs) / 2.0), centre
+
+
+def lr_increased(lrs: Sequence[float], factor: float = WARM_RESTART) -> bool:
+    """Whether the LR jumped by `factor` from one value to the next (a warm restart); a gradual
+    warmup does not count."""
+    return any(b > factor * a for a, b in itertools.pairwise(lrs))
 
 
 def mann_kendall_z(values: Sequence[float]) -> float:

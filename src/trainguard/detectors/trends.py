@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import warnings
 from collections import deque
@@ -14,7 +13,15 @@ from numpy.lib.stride_tricks import sliding_window_view
 from trainguard.config import DivergenceConfig, OscillationConfig, StallConfig
 from trainguard.detectors.base import Blocks, Detector, MetricPoint, fmt
 from trainguard.detectors.series import MetricSeries, first_true, stop_at
-from trainguard.detectors.stats import detrended, dominant_period, mann_kendall_z, median
+from trainguard.detectors.stats import (
+    MAD_TO_SIGMA,
+    WARM_RESTART,
+    detrended,
+    dominant_period,
+    lr_increased,
+    mann_kendall_z,
+    median,
+)
 from trainguard.events import Event
 
 
@@ -148,9 +155,10 @@ def _median_noise(medians: np.ndarray, spreads: np.ndarray, size: int) -> np.nda
             warnings.simplefilter("ignore", RuntimeWarning)  # all NaN: no noise, no divergence
             spread = np.nanmedian(spreads, axis=1)
         whole = SMALL_BLOCK.get(size, 1.0 + 0.5 / size if size < 20 else 1.0)
-        within: np.ndarray = whole * 1.2533 * 1.4826 * spread / math.sqrt(size)
-        return within
-    diffs: np.ndarray = 1.4826 * np.median(np.abs(np.diff(medians, axis=1)), axis=1)
+        # a median's standard error is sqrt(pi/2) that of a mean of the same losses
+        within: np.ndarray = whole * math.sqrt(math.pi / 2) * MAD_TO_SIGMA * spread
+        return within / math.sqrt(size)
+    diffs: np.ndarray = MAD_TO_SIGMA * np.median(np.abs(np.diff(medians, axis=1)), axis=1)
     return diffs / math.sqrt(2.0)
 
 
@@ -192,7 +200,7 @@ class DivergenceDetector(Detector):
         rising = (
             z > self.config.z_threshold and rise >= self.config.min_rel_rise and early_low and clear
         )
-        if not rising or _lr_increased(list(self.block_lrs)):
+        if not rising or lr_increased(self.block_lrs):  # a warmup's gradual rise is no restart
             self.active = False
             return []
         if self.active:
@@ -238,7 +246,7 @@ class DivergenceDetector(Detector):
         lrs = np.concatenate((np.asarray(self.block_lrs, dtype=np.float64), new_lrs[lr_ok]))
         lr_count = len(self.block_lrs) + np.cumsum(lr_ok)  # deque length after each block
         jumps = np.zeros(len(lrs), dtype=bool)
-        jumps[1:] = lrs[1:] > 1.5 * lrs[:-1]
+        jumps[1:] = lrs[1:] > WARM_RESTART * lrs[:-1]
         prefix = np.concatenate(([0], np.cumsum(jumps)))
         lo = np.maximum(lr_count - (self.block_lrs.maxlen or 1) + 1, 1)
         lr_jump = prefix[lr_count] - prefix[np.minimum(lo, lr_count)] > 0
@@ -284,12 +292,6 @@ def mann_kendall_many(rows: np.ndarray) -> np.ndarray:
     sd = math.sqrt(n * (n - 1) * (2 * n + 5) / 18.0)
     out: np.ndarray = np.where(s > 0, (s - 1) / sd, np.where(s < 0, (s + 1) / sd, 0.0))
     return out
-
-
-def _lr_increased(lrs: list[float], factor: float = 1.5) -> bool:
-    """Whether the LR jumped by `factor` from one block to the next (a warm restart); a gradual
-    warmup does not count, so divergence under a rising warmup LR is still reported."""
-    return any(b > factor * a for a, b in itertools.pairwise(lrs))
 
 
 class OscillationDetector(Detector):

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 
 from trainguard.config import WeightJumpConfig
 from trainguard.detectors.base import Detector, MetricPoint
 from trainguard.detectors.series import MetricSeries
-from trainguard.detectors.stats import median
+from trainguard.detectors.stats import lr_increased, median
 from trainguard.events import Event
 
 QUIET_STEPS = 5  # steps without a jump that end an incident
-LR_JUMP = 1.5  # an LR this many times the last step's (a warm restart) explains a jump
 RECENT = 50  # moves a group's median move is read from
 LEARN_CAP = math.log(2.0)  # moves are learned up to x2: a run's own recurring moves stop
 # warning after the first, while after a x1000 write a later one still warns
@@ -22,10 +22,11 @@ class WeightJumpDetector(Detector):
     passes `min_ratio`, `reach_factor` x the group's largest move in the last `window` steps and
     `median_factor` x its median move. One warning per incident (it ends after `QUIET_STEPS`
     steps without a jump), naming the group that moved most; none where the LR the run gives
-    jumped (`LR_JUMP`) within `QUIET_STEPS` steps, as a warm restart does: the run moved them."""
+    jumped (`stats.lr_increased`) within `QUIET_STEPS` steps, as a warm restart does: the run
+    moved them."""
 
     name = "weight_jump"
-    _state = ("last", "groups", "recent", "quiet", "last_lr", "lr_jumped")
+    _state = ("last", "groups", "recent", "quiet", "lrs")
 
     def __init__(self, config: WeightJumpConfig | None = None) -> None:
         self.config = config or WeightJumpConfig()
@@ -34,8 +35,7 @@ class WeightJumpDetector(Detector):
         self.groups: dict[str, list[float]] = {}
         self.recent: dict[str, list[float]] = {}  # each group's last RECENT moves
         self.quiet = QUIET_STEPS  # steps since the last jump
-        self.last_lr: float | None = None
-        self.lr_jumped = QUIET_STEPS  # steps since the LR last jumped up
+        self.lrs: deque[float] = deque(maxlen=QUIET_STEPS + 1)  # the LRs of the latest steps
 
     def advance(self, series: MetricSeries, start: int) -> int:
         """A series without weight norms (every log but a guarded run's own) raises nothing."""
@@ -45,10 +45,8 @@ class WeightJumpDetector(Detector):
         norms = point.group_param_norms
         if not norms:
             return []
-        lr = point.lr if point.lr is not None and math.isfinite(point.lr) else None
-        restarted = lr is not None and self.last_lr is not None and lr > LR_JUMP * self.last_lr
-        self.lr_jumped = 0 if restarted else self.lr_jumped + 1
-        self.last_lr = lr if lr is not None else self.last_lr
+        if point.lr is not None and math.isfinite(point.lr):
+            self.lrs.append(point.lr)
         cfg = self.config
         floor = math.log(cfg.min_ratio)
         half = max(cfg.window // 2, 1)
@@ -81,7 +79,7 @@ class WeightJumpDetector(Detector):
             self.quiet += 1
             return []
         was_quiet, self.quiet = self.quiet >= QUIET_STEPS, 0
-        if not was_quiet or self.lr_jumped < QUIET_STEPS:  # a repeat, or the run's own LR
+        if not was_quiet or lr_increased(self.lrs):  # a repeat, or the run's own LR moved them
             return []
         move, name, ratio, limit = max(jumps)
         others = [g for _, g, _, _ in sorted(jumps, reverse=True)[1:]]

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import has_length
 
 from trainguard.config import GuardConfig
 from trainguard.events import TrainguardError, TrainingHalted
@@ -84,7 +85,10 @@ class TrainguardCallback(TrainerCallback):
         self.guard = Guard(model, inner, config=config, run_dir=run_dir)
         self._hook = model.register_forward_hook(self._capture)
         self._scheduler = kwargs.get("lr_scheduler")
-        self._planned = int(planned) if planned is not None and _sized(kwargs) else None
+        # only data with a length is taken on past max_steps: a stream would start over
+        loader = kwargs.get("train_dataloader")
+        sized = loader is not None and has_length(loader)
+        self._planned = int(planned) if planned is not None and sized else None
         last = getattr(self._scheduler, "last_epoch", None)
         counts = isinstance(self._scheduler, torch.optim.lr_scheduler.LRScheduler)
         # resumed: the checkpoint's schedule is behind the Trainer's count by the steps lost
@@ -166,13 +170,3 @@ class TrainguardCallback(TrainerCallback):
             self._hook = None
         if self.guard is not None and self.halted is None:
             self.guard.close()
-
-
-def _sized(kwargs: dict[str, Any]) -> bool:
-    """Whether the Trainer's data has a length: only then do extra steps take data not yet
-    seen (without one, the Trainer starts the stream over after `max_steps`)."""
-    loader = kwargs.get("train_dataloader")
-    try:
-        return loader is not None and len(loader) > 0
-    except TypeError:
-        return False
