@@ -11,10 +11,11 @@ rollbacks, halts, quarantined batches and samples, skips (from the run's own `me
 caught (an event of warning or worse, or a skip, rollback or halt, from the fault's first step
 to CATCH_WINDOW steps after its last) and the held-out loss at the end.
 
-Split, by seed: seeds 0 to 3 of every regime are the tuning half (earlier sessions saw every run
-of seeds 0 and 1, and session 9 tuned after looking at seeds 2 and 3; until session 8 the halves
-alternated regimes and seeds); seeds 4 and 5, first run after the last change to the guard's
-judging, are the held-out half the targets are judged on:
+Split, by seed: seeds 0 to 5 of every regime are the tuning half (earlier sessions saw every run
+of seeds 0 and 1, session 9 tuned after looking at seeds 2 and 3, and session 10 changed the
+Lightning callback after seeds 4 and 5 showed its lost steps; until session 8 the halves
+alternated regimes and seeds); seeds 6 and 7, first run after the last change to the guard and
+its callbacks, are the held-out half the targets are judged on:
 
 - no rollback, halt or quarantine on any clean run;
 - at most 1 skip per 10,000 clean steps (summed over the clean runs);
@@ -34,11 +35,11 @@ single-row outlier is allowed, an action there is not; an event up to LOG_SLACK_
 after a labelled span belongs to it; unlabelled files are listed apart. A file's half is its
 label's, else the sha256 rule of the held-out split.
 
-Run: python benchmarks/trust.py [--seeds 0 1 2 3 4 5] [--regimes NAME ...] [--quick] [--curves DIR]
-[--jobs 2] [--out FILE.json] [--keep DIR] [--no-write]; `--report FILE.json ...` renders saved
-runs again (a later file's runs of a regime and seed replace an earlier one's), `--logs-only`
-judges only the logs, `--keep DIR` copies each guarded run's files there. The default (16
-regimes, seeds 0 to 5, 2 worker processes) takes about 15 minutes on a 2-core machine.
+Run: python benchmarks/trust.py [--seeds 0 1 2 3 4 5 6 7] [--regimes NAME ...] [--quick] [--curves
+DIR] [--jobs 2] [--out FILE.json] [--keep DIR] [--no-write]; `--report FILE.json ...` renders saved
+runs again (a later file's runs of a regime and seed replace an earlier one's), `--logs-only` judges
+only the logs, `--keep DIR` copies each guarded run's files there. The default (16 regimes, seeds 0
+to 7, 2 worker processes) takes about 28 minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -367,9 +368,9 @@ REGIMES: list[Regime] = [
 ]
 
 
-SEEDS = [0, 1, 2, 3, 4, 5]
-TUNED_SEEDS = (0, 1, 2, 3)  # looked at (and tuned on): every regime of them is the tuning half.
-# Seeds 4 and 5 were first run after the guard's last change: held out.
+SEEDS = [0, 1, 2, 3, 4, 5, 6, 7]
+TUNED_SEEDS = (0, 1, 2, 3, 4, 5)  # looked at (and tuned on): every regime of them is the tuning
+# half. Seeds 6 and 7 were first run after the last change to the guard and its callbacks: held out.
 
 
 def seed_half(seed: int) -> str:
@@ -744,7 +745,8 @@ def run_lightning(regime: Regime, seed: int, fault: str, guarded: bool, steps: i
     logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
     result = RunResult(regime.name, seed, fault, guarded, steps)
     net = gpt2(seed)
-    train, evals = gpt2_data(seed, steps * 8)
+    # data past max_steps, as in the HF regime: the callback makes up a rollback's lost steps
+    train, evals = gpt2_data(seed, (steps + steps // 5 + 20) * 8)
     holder: dict[str, Any] = {}
 
     class Module(pl.LightningModule):
@@ -797,7 +799,11 @@ def run_lightning(regime: Regime, seed: int, fault: str, guarded: bool, steps: i
                 hooks.remove()
                 if hooks.burst is not None:
                     hooks.burst.remove()
-        result.steps_done = int(trainer.global_step)
+        result.steps_done = (  # the guard's good steps (the fit's count has the made-up)
+            callback.guard.global_step
+            if callback is not None and callback.guard is not None
+            else int(trainer.global_step)
+        )
         result.fault_step, result.fault_end = hooks.fault_step, hooks.fault_end
         result.eval_loss = gpt2_eval(net, evals)
         if callback is not None:
@@ -978,6 +984,7 @@ class Comparison:
     not_worse: bool
     guarded_actions: str
     harmful: bool  # the unguarded run ended more than 2% worse than clean, or not finite
+    helped: bool  # the unguarded run ended more than 2% better than clean: the fault helped
 
 
 def compare(results: list[RunResult], half_of: Callable[[str, int], str]) -> list[Comparison]:
@@ -1020,6 +1027,7 @@ def compare(results: list[RunResult], half_of: Callable[[str, int], str]) -> lis
                 not_worse and math.isfinite(r.eval_loss),
                 actions or "-",
                 not math.isfinite(u) or relative(u, c) > CLEAN_MARGIN,
+                math.isfinite(u) and relative(u, c) < -CLEAN_MARGIN,
             )
         )
     return out
@@ -1036,6 +1044,7 @@ def targets(results: list[RunResult], comparisons: list[Comparison]) -> dict[str
     share = caught / len(comparisons) if comparisons else 1.0
     near = [c for c in comparisons if c.within_clean and c.not_worse]
     harmful = [c for c in comparisons if c.harmful]
+    missed = [c for c in comparisons if not (c.within_clean and c.not_worse)]
     return {
         "clean runs": len(clean),
         "clean runs with a rollback, halt or quarantine": [f"{r.regime}/s{r.seed}" for r in acted],
@@ -1054,6 +1063,7 @@ def targets(results: list[RunResult], comparisons: list[Comparison]) -> dict[str
         "within 2% of clean and <= 1% worse than unguarded": len(near) == len(comparisons),
         "within 2% of clean": sum(c.within_clean for c in comparisons),
         "<= 1% worse than unguarded": sum(c.not_worse for c in comparisons),
+        "outcome misses where the fault helped": sum(c.helped for c in missed),
     }
 
 
@@ -1193,7 +1203,14 @@ def half_report(title: str, results: list[RunResult], comparisons: list[Comparis
         f"{verdict(t['within 2% of clean and <= 1% worse than unguarded'])} "
         f"({t['guarded faulty runs near clean and not worse']} of {t['faults']}; within 2%: "
         f"{t['within 2% of clean']}, not worse than unguarded: "
-        f"{t['<= 1% worse than unguarded']})",
+        f"{t['<= 1% worse than unguarded']})"
+        + (
+            f"; {t['outcome misses where the fault helped']} of the misses are runs whose "
+            "planted fault helped (the unguarded run ended over 2% below clean), which undoing "
+            "the fault cannot match"
+            if t.get("outcome misses where the fault helped")
+            else ""
+        ),
         "",
     ]
 
@@ -1228,7 +1245,8 @@ def report(
         + " are held out (first run after the last change to the guard's judging), and the "
         "targets are judged there. Until session 8 the halves alternated regimes and seeds (seed 1 "
         "and the odd regimes held out); session 9 held out seeds 2 and 3, then tuned after "
-        "seeing them.",
+        "seeing them; session 10 changed the Lightning callback after seeds 4 and 5 showed its "
+        "lost steps.",
         "",
     ]
     for half, title in (("held_out", "Held-out half (the targets)"), ("tune", "Tuning half")):

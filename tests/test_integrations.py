@@ -319,6 +319,69 @@ def test_the_hf_callback_reads_lost_steps_back_on_resume_and_leaves_streams_alon
         callback.on_train_end(None, None, None)  # type: ignore[arg-type]
 
 
+def test_a_lightning_fit_makes_up_the_steps_a_rollback_undid_with_its_schedule_put_back(
+    tmp_path,
+):
+    """As in the HF callback: over data past max_steps, the fit runs the steps a rollback undid
+    again, at the LR they had (the step-interval schedule put back with the weights), so the
+    guard ends at its 70 planned good steps and the linear schedule reaches 0 at the last."""
+    import lightning.pytorch as pl
+
+    from trainguard.integrations.lightning import TrainguardCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_gpt2()
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+            linear = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / 70))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": linear, "interval": "step"}}
+
+    class Corrupt(pl.Callback):  # a write of x1000 to a layer's weights before step 40
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 40:
+                with torch.no_grad():
+                    pl_module.model.lm_head.weight.mul_(1000.0)  # tied to the embedding
+
+    config = tg.GuardConfig.from_dict({"console": False, "recovery": {"snapshot_every": 10}})
+    callback = TrainguardCallback(config)
+    module = Module()
+    data = torch.stack([s["input_ids"] for s in samples(100 * 8)])
+    trainer = pl.Trainer(
+        max_steps=70,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[callback, Corrupt()],
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    found = events(tmp_path / "trainguard" / "events.jsonl")
+    (rollback,) = [e for e in found if e["kind"] == "rollback"]
+    lost = rollback["metrics"]["lost_batches"]
+    assert lost > 0 and callback.lost_steps == lost
+    assert callback.guard is not None and callback.guard.global_step == 70
+    assert trainer.global_step == 70 + lost
+    assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0] == 0.0
+    rows = events(tmp_path / "trainguard" / "metrics.jsonl")
+    assert rows[-1]["step"] == 69 and rows[-1]["lr"] > 0  # not run out before the last step
+    first, again = [r["lr"] for r in rows if r["step"] == rollback["metrics"]["to_step"]]
+    assert again == first  # the schedule put back to that step (the LR kept: a sudden write)
+    saved = callback.state_dict()
+    assert saved["lost_steps"] == lost and "detectors" in saved["guard"]
+    resumed = TrainguardCallback(config)
+    resumed.load_state_dict(saved)
+    assert resumed._restored == saved  # loaded with the guard at the fit's start
+    callback.guard.close()
+
+
 def test_a_halt_stops_the_lightning_fit_with_the_diagnosis(tmp_path):
     from trainguard.integrations.lightning import TrainguardCallback
 

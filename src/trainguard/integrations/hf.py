@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ from transformers.trainer_utils import has_length
 from trainguard.config import GuardConfig
 from trainguard.events import TrainguardError, TrainingHalted
 from trainguard.guard import Guard
+from trainguard.integrations.schedules import ScheduleHistory
 
 
 class TrainguardCallback(TrainerCallback):
@@ -50,8 +50,7 @@ class TrainguardCallback(TrainerCallback):
         self._losses: list[torch.Tensor] = []
         self._hook: Any = None
         self._scheduler: Any = None
-        # the scheduler's state just before the Trainer steps it into each guard step
-        self._schedules: dict[int, dict[str, Any]] = {}
+        self._schedules = ScheduleHistory([])
         self._planned: int | None = None  # the Trainer's max_steps at the start, if extensible
         self.lost_steps = 0  # steps undone by rollbacks, made up for at the end
 
@@ -94,7 +93,7 @@ class TrainguardCallback(TrainerCallback):
         # resumed: the checkpoint's schedule is behind the Trainer's count by the steps lost
         behind = state.global_step - last if counts and isinstance(last, int) else 0
         self.lost_steps = max(0, behind)
-        self._schedules = {}
+        self._schedules = ScheduleHistory([] if self._scheduler is None else [self._scheduler])
         self._keep_schedule()
         callback = self
 
@@ -137,22 +136,17 @@ class TrainguardCallback(TrainerCallback):
         now = self.guard.global_step
         if now != before + 1:  # rolled back (a skip counts as a step): the schedule goes back
             self.lost_steps += before + 1 - now
-            saved = self._schedules.get(now)
-            if self._scheduler is not None and saved is not None:
-                self._scheduler.load_state_dict(copy.deepcopy(saved))
+            self._schedules.restore(now)
         self._keep_schedule()
 
     def _keep_schedule(self) -> None:
         """Keep the scheduler's state for the guard's next step (before the Trainer steps it),
         for as far back as a rollback can reach."""
-        if self._scheduler is None or self.guard is None:
+        if self.guard is None:
             return
         step = self.guard.global_step
-        self._schedules[step] = copy.deepcopy(self._scheduler.state_dict())
-        snapshots = self.guard.ring.snapshots
-        oldest = min((s.step for s in snapshots), default=step)
-        for kept in [k for k in self._schedules if k < oldest or k > step]:
-            del self._schedules[kept]
+        oldest = min((s.step for s in self.guard.ring.snapshots), default=step)
+        self._schedules.keep(step, oldest)
 
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 from trainguard.config import GuardConfig
 from trainguard.events import TrainguardError, TrainingHalted
 from trainguard.guard import Guard
+from trainguard.integrations.schedules import ScheduleHistory
 
 
 class TrainguardCallback(pl.Callback):
@@ -20,7 +21,13 @@ class TrainguardCallback(pl.Callback):
     `take_over_clipping` the guard clips at the Trainer's `gradient_clip_val` (norm clipping)
     after measuring, and Lightning's clipping is turned off. A halt stops the fit; the
     diagnosis is in `halted`. The fit's planned steps (`max_steps`, or the estimated stepping
-    batches) size the recovery unless `diagnosis.total_steps` is set."""
+    batches) size the recovery unless `diagnosis.total_steps` is set.
+
+    A rollback's lost steps are made up, as in the HF callback: the step-interval LR schedulers
+    are put back with the weights, and a fit bounded by `max_steps` over data with a length
+    runs that many steps longer (the fit loop's step limit is raised; Lightning has no public
+    setter for it, so where the loop lacks it the steps stay lost and `lost_steps` says how
+    many)."""
 
     def __init__(
         self,
@@ -35,6 +42,9 @@ class TrainguardCallback(pl.Callback):
         self.halted: TrainingHalted | None = None
         self._restored: dict[str, Any] | None = None
         self._inside = False
+        self._schedules = ScheduleHistory([])
+        self._planned: int | None = None  # max_steps at the start, where it can be raised
+        self.lost_steps = 0  # steps undone by rollbacks, made up for at the end
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if len(trainer.optimizers) != 1:
@@ -55,8 +65,17 @@ class TrainguardCallback(pl.Callback):
             self.guard.close()
         self.guard = Guard(pl_module, optimizer, config=config, run_dir=Path(run_dir, "trainguard"))
         if self._restored is not None:
-            self.guard.load_state_dict(self._restored)
+            self._load(self._restored)
             self._restored = None
+        self._schedules = ScheduleHistory(
+            [c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"]
+        )
+        self._keep_schedule()
+        # only data with a length is taken on past max_steps: a stream would start over
+        sized = trainer.num_training_batches != float("inf")
+        limited = trainer.max_steps is not None and trainer.max_steps > 0
+        self._planned = int(trainer.max_steps) if limited and sized else None
+        self._make_up(trainer)
         original = optimizer.step
         callback = self
 
@@ -70,26 +89,74 @@ class TrainguardCallback(pl.Callback):
             try:
                 assert callback.guard is not None
                 if callback.halted is None:
-                    callback.guard.step(loss.detach())
+                    callback._step(trainer, loss.detach())
             except TrainingHalted as exc:
                 callback.halted = exc
                 trainer.should_stop = True
             finally:
                 callback._inside = False
+            optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's LR scheduler asks
             return loss
 
+        # torch's LR scheduler checks that optimizer.step is still its counting wrapper: it is
+        # replaced on purpose, and the real step is taken inside the guard
+        guarded_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         setattr(optimizer, "step", guarded_step)  # noqa: B010 - the step, replaced on purpose
 
+    def _step(self, trainer: pl.Trainer, loss: Any) -> None:
+        """The guard's step; after a rollback, the schedule goes back and the fit grows by the
+        steps lost."""
+        assert self.guard is not None
+        before = self.guard.global_step
+        self.guard.step(loss)
+        now = self.guard.global_step
+        if now != before + 1:  # rolled back (a skip counts as a step)
+            self.lost_steps += before + 1 - now
+            self._schedules.restore(now)
+            self._make_up(trainer)
+        self._keep_schedule()
+
+    def _keep_schedule(self) -> None:
+        """Keep the schedulers' states for the guard's next step (before Lightning steps them),
+        for as far back as a rollback can reach."""
+        if self.guard is None:
+            return
+        step = self.guard.global_step
+        oldest = min((s.step for s in self.guard.ring.snapshots), default=step)
+        self._schedules.keep(step, oldest)
+
+    def _make_up(self, trainer: pl.Trainer) -> None:
+        """Raise the fit's step limit by the steps lost, where the fit is bounded by max_steps
+        over data with a length. Lightning offers no public setter: the fit loop's epoch loop
+        holds the limit that `trainer.max_steps` reads."""
+        if self._planned is None or not self.lost_steps:
+            return
+        epoch_loop = getattr(trainer.fit_loop, "epoch_loop", None)
+        if isinstance(getattr(epoch_loop, "max_steps", None), int):
+            epoch_loop.max_steps = self._planned + self.lost_steps  # type: ignore[union-attr]
+
     def state_dict(self) -> dict[str, Any]:
-        return self.guard.state_dict() if self.guard is not None else (self._restored or {})
+        if self.guard is None:
+            return self._restored or {}
+        return {"guard": self.guard.state_dict(), "lost_steps": self.lost_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
         if self.guard is not None:
-            self.guard.load_state_dict(state_dict)
+            self._load(state_dict)
         else:
             self._restored = state_dict
+
+    def _load(self, state: dict[str, Any]) -> None:
+        """A checkpoint's guard state and lost steps (a checkpoint from before lost steps were
+        kept holds the guard's state alone)."""
+        assert self.guard is not None
+        if "guard" in state and "lost_steps" in state:
+            self.guard.load_state_dict(state["guard"])
+            self.lost_steps = int(state["lost_steps"])
+        else:
+            self.guard.load_state_dict(state)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard is not None and self.halted is None:
