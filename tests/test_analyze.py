@@ -60,8 +60,15 @@ def test_tsv_with_other_column_names(tmp_path):
     log = tmp_path / "run.tsv"
     rows = ["iteration\ttrain_loss"] + [f"{i}\t{3.0 - i * 1e-3:.6f}" for i in range(200)]
     log.write_text("\n".join(rows) + "\n")
-    assert run(str(log)).returncode == 2  # no 'step' column: named in the error
-    out = run(str(log), "--column", "train_loss", "--step-column", "iteration", "--json")
+    out = run(str(log), "--json")  # the usual names are found without flags
+    assert out.returncode == 0 and json.loads(out.stdout)["summary"]["steps"] == 200
+    odd = tmp_path / "odd.tsv"
+    odd.write_text(
+        "\n".join(r.replace("iteration", "it").replace("train_loss", "nll") for r in rows)
+    )
+    refused = run(str(odd))
+    assert refused.returncode == 2 and "no 'step' column (found: it, nll)" in refused.stderr
+    out = run(str(odd), "--column", "nll", "--step-column", "it", "--json")
     assert out.returncode == 0 and json.loads(out.stdout)["summary"]["steps"] == 200
 
 
@@ -71,7 +78,8 @@ def test_tsv_with_other_column_names(tmp_path):
         ("empty.csv", "", "is empty"),
         ("cols.csv", "a,b\n1,2\n", "no 'step' column"),
         ("words.csv", "step,loss\nx,y\n", "no row has a numeric step"),
-        ("blob.bin", "\x00\x01\x02", "unknown format"),
+        ("blob.bin", "\x00\x01\x02", "not a text log"),
+        ("prose.txt", "hello\nthere\n", "no known log format matched; the formats are: "),
     ],
 )
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, name, text, fragment):

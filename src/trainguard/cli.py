@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 import yaml
@@ -12,8 +12,12 @@ from rich.console import Console
 from rich.markup import escape
 
 from trainguard import __version__
+from trainguard.analysis.formats import names as format_names
 from trainguard.config import GuardConfig
 from trainguard.events import TrainguardError
+
+if TYPE_CHECKING:
+    from trainguard.analysis import Analysis, LogData
 
 app = typer.Typer(
     name="trainguard",
@@ -27,6 +31,7 @@ MAX_MESSAGE = 2000  # characters of an error line; a longer one is cut
 MAX_REFRESH_S = 86_400.0
 LINT_KEYS = ("model", "optimizer", "scheduler", "scaler")
 SCAN_KEYS = ("model", "batches", "per_sample_loss_fn")
+FORMAT_NAMES = ", ".join(format_names())
 
 
 @app.command()
@@ -55,86 +60,111 @@ def analyze(
     path: Annotated[
         Path,
         typer.Argument(
-            help="A CSV/TSV log with a header, JSONL, TensorBoard event files, or a run directory."
+            help="A training log (its format is found from its content; see --format), or a "
+            "run directory."
         ),
     ],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     config: Annotated[Path | None, typer.Option(help="A YAML or TOML GuardConfig.")] = None,
-    column: Annotated[str, typer.Option(help="The loss column.")] = "loss",
-    step_column: Annotated[str, typer.Option(help="The step column.")] = "step",
+    column: Annotated[str, typer.Option(help="The loss column of a CSV/JSONL log.")] = "loss",
+    step_column: Annotated[str, typer.Option(help="The step column of a CSV/JSONL log.")] = "step",
     tag: Annotated[str | None, typer.Option(help="The TensorBoard scalar of the loss.")] = None,
+    log_format: Annotated[
+        str | None, typer.Option("--format", help=f"The log's format: {FORMAT_NAMES}.")
+    ] = None,
+    run: Annotated[
+        str | None, typer.Option(help="In a file of several runs (a W&B export), judge this one.")
+    ] = None,
 ) -> None:
-    """Judge an existing loss log with the guard's detectors: exit 0 when healthy, 1 when
+    """Judge an existing training log with the guard's detectors: exit 0 when healthy, 1 when
     incidents at warning or above were found (a NaN/Inf loss is one, a log NaN from the start a
-    failed run), 2 on bad input (no row with a numeric step and loss). A run directory or its
-    metrics.jsonl also shows the events the guarded run recorded in events.jsonl, and the
-    steps a rollback abandoned."""
+    failed run), 2 on bad input (no row with a numeric step and loss). A file of several runs
+    is judged run by run. A run directory or its metrics.jsonl also shows the events the
+    guarded run recorded in events.jsonl, and the steps a rollback abandoned."""
     import json
 
-    from rich.table import Table
-
     from trainguard.analysis import analyze as run_analysis
-    from trainguard.analysis import read_log
+    from trainguard.analysis.logs import read_runs
 
     cfg = GuardConfig.load(config) if config is not None else GuardConfig(console=False)
-    data = read_log(path, loss_column=column, step_column=step_column, tag=tag)
-    result = run_analysis(data, cfg)
+    runs = read_runs(path, column, step_column, tag, log_format, run)
+    results = [run_analysis(data, cfg) for data in runs]
     if as_json:
-        typer.echo(json.dumps(result.to_dict(), allow_nan=False))
-    else:
-        for warning in data.warnings:
-            err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
-        table = Table(title=escape(f"trainguard analyze {path}"), title_justify="left")
-        for name in ("step", "kind", "type", "severity", "magnitude", "source", "what"):
-            table.add_column(name, overflow="fold")
-        for e in result.events:
-            if e.severity == "info" and e.kind != "spike_classified":
-                continue
-            magnitude = e.metrics.get("ratio") or e.metrics.get("rise") or ""
-            table.add_row(
-                str(e.step),
-                e.kind,
-                e.type or "",
-                e.severity,
-                f"{magnitude:.3g}" if isinstance(magnitude, float) else str(magnitude),
-                result.source(e),
-                escape(e.message),
-            )
-        console = Console()
-        console.print(table)
-        s = result.summary
-        verdict = (
-            f"{len(result.incidents)} incident(s) at warning or above"
-            if result.incidents
-            else "healthy: no incident at warning or above"
-        )
-        final = "none finite" if s["final_loss"] is None else f"{s['final_loss']:.4g}"
-        if s.get("ends_nonfinite") and s["final_loss"] is not None:
-            final = f"NaN/Inf (the last finite one {s['final_loss']:.4g})"
-        dense = s["last_step"] - s["first_step"] + 1 == s["steps"]
-        rows = f"{s['steps']} steps" if dense else f"{s['steps']} logged points over steps"
-        extra = [
-            f"{s[key]} {what}"
-            for key, what in (
-                ("nonfinite_steps", "with a NaN/Inf loss"),
-                ("abandoned_steps", "abandoned by a rollback"),
-                ("recorded_events", "events recorded by the run"),
-            )
-            if s[key]
+        objects = [
+            {"run": d.run, **r.to_dict()} if d.run else r.to_dict()
+            for d, r in zip(runs, results, strict=True)
         ]
-        console.print(
-            f"{rows} ({s['first_step']}..{s['last_step']}"
-            + "".join(f", {x}" for x in extra)
-            + f"), final loss {final}, loss spike score {s['spike_score']['loss']:.2e}: {verdict}"
-        )
-    if result.incidents:
+        out = objects[0] if len(objects) == 1 else {"runs": objects}
+        typer.echo(json.dumps(out, allow_nan=False))
+    else:
+        for data, result in zip(runs, results, strict=True):
+            _show_analysis(path, data, result)
+    if any(result.incidents for result in results):
         raise typer.Exit(1)
+
+
+def _show_analysis(path: Path, data: LogData, result: Analysis) -> None:
+    """One run's judgement as a table and a summary line, its read's warnings on stderr."""
+    from rich.table import Table
+
+    for warning in data.warnings:
+        err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+    which = f" (run {data.run})" if data.run else ""
+    table = Table(
+        title=escape(f"trainguard analyze {path}{which} [{data.format}]"), title_justify="left"
+    )
+    for column in ("step", "kind", "type", "severity", "magnitude", "source", "what"):
+        table.add_column(column, overflow="fold")
+    for e in result.events:
+        if e.severity == "info" and e.kind != "spike_classified":
+            continue
+        magnitude = e.metrics.get("ratio") or e.metrics.get("rise") or ""
+        table.add_row(
+            str(e.step),
+            e.kind,
+            e.type or "",
+            e.severity,
+            f"{magnitude:.3g}" if isinstance(magnitude, float) else str(magnitude),
+            result.source(e),
+            escape(e.message),
+        )
+    console = Console()
+    console.print(table)
+    s = result.summary
+    verdict = (
+        f"{len(result.incidents)} incident(s) at warning or above"
+        if result.incidents
+        else "healthy: no incident at warning or above"
+    )
+    final = "none finite" if s["final_loss"] is None else f"{s['final_loss']:.4g}"
+    if s.get("ends_nonfinite") and s["final_loss"] is not None:
+        final = f"NaN/Inf (the last finite one {s['final_loss']:.4g})"
+    dense = s["last_step"] - s["first_step"] + 1 == s["steps"]
+    rows = f"{s['steps']} steps" if dense else f"{s['steps']} logged points over steps"
+    extra = [
+        f"{s[key]} {what}"
+        for key, what in (
+            ("nonfinite_steps", "with a NaN/Inf loss"),
+            ("abandoned_steps", "abandoned by a rollback"),
+            ("recorded_events", "events recorded by the run"),
+        )
+        if s[key]
+    ]
+    console.print(
+        f"{rows} ({s['first_step']}..{s['last_step']}"
+        + "".join(f", {x}" for x in extra)
+        + f"), final loss {final}, loss spike score {s['spike_score']['loss']:.2e}: {verdict}"
+    )
 
 
 @app.command()
 def report(
     source: Annotated[
-        Path, typer.Argument(help="A run directory (metrics.jsonl, events.jsonl) or a loss log.")
+        Path,
+        typer.Argument(
+            help="A run directory (metrics.jsonl, events.jsonl) or a training log in any format "
+            "analyze reads."
+        ),
     ],
     output: Annotated[Path, typer.Option("-o", "--output", help="The HTML file to write.")] = Path(
         "report.html"
@@ -143,6 +173,12 @@ def report(
         Path | None, typer.Option(help="A GuardConfig to judge a bare log with.")
     ] = None,
     title: Annotated[str | None, typer.Option(help="The page title.")] = None,
+    log_format: Annotated[
+        str | None, typer.Option("--format", help=f"A bare log's format: {FORMAT_NAMES}.")
+    ] = None,
+    run: Annotated[
+        str | None, typer.Option(help="In a file of several runs (a W&B export), this one.")
+    ] = None,
 ) -> None:
     """Write one self-contained HTML report (plots, incident cards, lint, config) of a run or
     log; it opens offline in any browser."""
@@ -150,7 +186,9 @@ def report(
     from trainguard.sinks.html_report import write_report
 
     cfg = GuardConfig.load(config) if config is not None else None
-    record = load_run(source, cfg)
+    record = load_run(source, cfg, log_format, run)
+    if title is None and run is not None:
+        title = f"trainguard report: {source} (run {run})"
     for warning in record.warnings:
         err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
     if output.is_dir():

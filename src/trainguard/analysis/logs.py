@@ -1,5 +1,6 @@
-"""`read_log`: a loss log (CSV, TSV, trainguard's metrics.jsonl, generic JSONL or TensorBoard
-event files) as columns, streamed so that a file of several GB fits in memory."""
+"""`read_log`: a loss log as columns, in any format `analysis.formats` knows (CSV, TSV, JSONL,
+TensorBoard event files, and the native logs of the trainers people use), streamed so that a
+file of several GB fits in memory."""
 
 from __future__ import annotations
 
@@ -11,15 +12,18 @@ import math
 import re
 import warnings
 from array import array
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from trainguard.detectors.series import MetricSeries
 from trainguard.events import TrainguardError
+
+if TYPE_CHECKING:
+    from trainguard.analysis.formats import ReadOptions
 
 OPTIONAL = ("grad_norm", "lr", "loss_scale")
 MAX_WARNED_ROWS = 10
@@ -27,8 +31,10 @@ USE_PANDAS = True  # parse clean blocks with pandas when it is installed
 BLOCK_BYTES = 1 << 24  # bytes parsed at once; a block with a bad row is parsed row by row
 MAX_STEP = 2.0**63  # a step must fit the int64 step column
 LONG_INT_DIGITS = 300  # longer JSON integers are read as floats: no later float() overflows
+SNIFF_BYTES = 1 << 20  # the head a format is recognised by (a log may open with source code)
 BINARY_SHARE = 0.1  # a head with more undecodable characters than this is not a text log
 MAX_NAMES_SHOWN = 12  # column names an error lists
+PRESCAN_LINES = 200  # a JSONL log's first objects, whose keys choose the columns read
 TB_TAGS = {  # TensorBoard tags tried in order when none is named
     "loss": ("loss", "train/loss", "train_loss", "training/loss", "loss/train"),
     "grad_norm": ("grad_norm", "train/grad_norm", "gradient_norm", "train/gradient_norm"),
@@ -50,6 +56,9 @@ class LogData:
     warnings: list[str] = field(default_factory=list)
     abandoned: dict[str, np.ndarray] = field(default_factory=dict)  # "step", "loss"
     recorded: list[dict[str, Any]] | None = None  # None: no events.jsonl beside the log
+    evals: dict[str, np.ndarray] = field(default_factory=dict)  # "step", "loss": evaluations
+    format: str = ""  # the format it was read as
+    run: str | None = None  # the run's name, in a file that holds several
 
     def series(self) -> MetricSeries:
         """The columns as the detectors read them (NaN marks a missing value)."""
@@ -65,8 +74,9 @@ class LogData:
 class _Columns:
     """Rows gathered into typed arrays (8 bytes a value), with the line numbers passed over."""
 
-    def __init__(self, unit: str = "line") -> None:
+    def __init__(self, unit: str = "line", other_rows: bool = False) -> None:
         self.unit = unit  # what a passed-over row is named by: a file's line, or a step
+        self.other_rows = other_rows  # rows without a loss are another kind's: no warning
         self.parts: dict[str, list[np.ndarray]] = {k: [] for k in ("step", "loss", *OPTIONAL)}
         self.bad: list[int] = []
         self.bad_count = 0
@@ -131,6 +141,47 @@ class _Columns:
         return LogData(order, loss, extra, notes, abandoned)
 
 
+def columns_of(
+    p: Path,
+    rows: Mapping[str, Sequence[float]],
+    evals: Mapping[str, Sequence[float]],
+    unit: str = "line",
+) -> LogData:
+    """`LogData` from a format's rows (step, loss and any of OPTIONAL, in file order) and its
+    evaluations (step, loss). A log with evaluations alone is judged on them, with a warning."""
+    eval_steps = np.asarray(evals.get("step", ()), dtype=np.float64)
+    eval_loss = np.asarray(evals.get("loss", ()), dtype=np.float64)
+    fits = np.abs(eval_steps) < MAX_STEP  # a step must fit the int64 step column
+    eval_steps, eval_loss = eval_steps[fits], eval_loss[fits]
+    only_evals = len(rows.get("step", ())) == 0 and len(eval_steps) > 0
+    out = _Columns(unit=unit)
+    huge = 0
+    if only_evals:
+        out.add({"step": eval_steps, "loss": eval_loss})
+    else:
+        block = {k: np.asarray(v, dtype=np.float64) for k, v in rows.items() if len(v)}
+        if "step" in block:
+            fits = np.abs(block["step"]) < MAX_STEP
+            huge = int((~fits).sum())
+            out.add(
+                {
+                    k: v[fits]
+                    for k, v in block.items()
+                    if k == "step" or k == "loss" or not np.isnan(v).all()
+                }
+            )
+    data = out.finish(p)
+    if not only_evals and huge:
+        data.warnings.append(f"passed over {huge} row(s) whose step does not fit 64 bits")
+    if only_evals:
+        data.warnings.insert(0, "the log has no training loss: judging its evaluation loss")
+    elif len(eval_steps):
+        order = eval_steps.astype(np.int64)
+        keep, _ = final_timeline(order)
+        data.evals = {"step": order[keep], "loss": eval_loss[keep]}
+    return data
+
+
 def final_timeline(steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The rows of the final timeline (the last row of each step, in step order) and the rows a
     later row of the same step replaced, in file order: the steps a rollback or resume
@@ -145,26 +196,64 @@ def final_timeline(steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def read_log(
-    path: str | Path, loss_column: str = "loss", step_column: str = "step", tag: str | None = None
+    path: str | Path,
+    loss_column: str = "loss",
+    step_column: str = "step",
+    tag: str | None = None,
+    format: str | None = None,
+    run: str | None = None,
 ) -> LogData:
-    """Read a log; rows with a missing or non-numeric loss or step are passed over with a
-    warning naming them (a NaN or Inf loss is kept: it is the run's, and an incident); unsorted
-    and repeated steps are sorted (the last row wins, the rows it replaced are kept apart as
-    `abandoned`). A trainguard metrics.jsonl brings the events.jsonl beside it (`recorded`)."""
+    """Read a log of one run (or the run named `run` of a file that holds several); see
+    `read_runs`."""
+    runs = read_runs(path, loss_column, step_column, tag, format, run)
+    if len(runs) > 1:
+        shown = ", ".join(str(r.run) for r in runs[:MAX_NAMES_SHOWN])
+        raise TrainguardError(f"{path} holds {len(runs)} runs ({shown}); name one with --run NAME")
+    return runs[0]
+
+
+def read_runs(
+    path: str | Path,
+    loss_column: str = "loss",
+    step_column: str = "step",
+    tag: str | None = None,
+    format: str | None = None,
+    run: str | None = None,
+) -> list[LogData]:
+    """Read a log, in the format named or the one its content shows (`analysis.formats`), as
+    one `LogData` per run it holds. Rows with a missing or non-numeric loss or step are passed
+    over with a warning naming them (a NaN or Inf loss is kept: it is the run's, and an
+    incident); unsorted and repeated steps are sorted (the last row wins, the rows it replaced
+    are kept apart as `abandoned`). A trainguard metrics.jsonl brings the events.jsonl beside
+    it (`recorded`)."""
+    from trainguard.analysis import formats
+
     p = Path(path)
+    options = formats.ReadOptions(loss_column, step_column, tag)
     tb_tag = tag or (loss_column if loss_column != "loss" else None)
+    chosen = (
+        None if format is None else formats.by_name(format) if format != "tensorboard" else None
+    )
     if p.is_dir():
-        if (p / "metrics.jsonl").exists():
-            p = p / "metrics.jsonl"
+        found = next(
+            (
+                p / n
+                for n in ("metrics.jsonl", "trainer_state.json", "metrics.csv")
+                if (p / n).is_file()
+            ),
+            None,
+        )
+        if found is not None and format != "tensorboard":
+            p = found
         elif any(p.rglob("events.out.tfevents.*")):
-            return _tensorboard(p, tb_tag)
+            return _named(_tensorboard(p, tb_tag), "tensorboard", run)
         else:
             raise TrainguardError(
-                f"{p} is a directory without metrics.jsonl or TensorBoard event files; "
-                "give the path of a log"
+                f"{p} is a directory without metrics.jsonl, trainer_state.json, metrics.csv or "
+                "TensorBoard event files; give the path of a log"
             )
     if not p.exists():
-        raise TrainguardError(f"{p}: no such file; give the path of a CSV, TSV or JSONL log")
+        raise TrainguardError(f"{p}: no such file; give the path of a training log")
     if not p.is_file():
         raise TrainguardError(
             f"{p} is not a regular file (a pipe, socket or device): give the path of a log file"
@@ -172,39 +261,68 @@ def read_log(
     try:
         if p.stat().st_size == 0:
             raise TrainguardError(f"{p} is empty: there is nothing to analyse")
-        if p.name.startswith("events.out.tfevents"):
-            return _tensorboard(p, tb_tag)
+        if format == "tensorboard" or p.name.startswith("events.out.tfevents"):
+            return _named(_tensorboard(p, tb_tag), "tensorboard", run)
         with p.open("rb") as f:
-            raw = f.read(4096)
+            raw = f.read(SNIFF_BYTES)
         head = raw.decode("utf-8", errors="replace")
-        names = {"step": step_column, "loss": loss_column}
-        suffix = p.suffix.lower()
-        delimiter = None  # None: JSONL
-        if suffix in (".jsonl", ".json") or head.lstrip().startswith("{"):
-            pass
-        elif suffix in (".csv", ".tsv", ".txt") or "," in head or "\t" in head:
-            first = head.splitlines()[0] if head else ""
-            delimiter = "\t" if suffix == ".tsv" or "\t" in first else ","
-        else:
-            raise TrainguardError(
-                f"{p}: unknown format; trainguard reads CSV/TSV with a header, JSONL and "
-                "TensorBoard event files"
-            )
-        if _is_binary(raw, head):
+        if _is_binary(raw[:4096], raw[:4096].decode("utf-8", errors="replace")):
             raise TrainguardError(
                 f"{p} is not a text log (binary data, or text that is not UTF-8): give a CSV, "
-                "TSV or JSONL log saved as UTF-8, or TensorBoard event files"
+                "TSV, JSONL or text log saved as UTF-8, or TensorBoard event files"
             )
-        data = _jsonl(p, names) if delimiter is None else _delimited(p, delimiter, names)
+        named = (loss_column, step_column) != ("loss", "step")
+        fmt = chosen or formats.detect(p, head, generic_only=named)
+        runs = fmt.read(p, options)
+        for data in runs:
+            data.format = fmt.name
         if p.name == "metrics.jsonl" and (p.parent / "events.jsonl").is_file():
             from trainguard.analysis.run import recorded_events
 
-            data.recorded = recorded_events(p.parent / "events.jsonl", data.warnings)
-        return data
+            runs[0].recorded = recorded_events(p.parent / "events.jsonl", runs[0].warnings)
+        return _chosen_run(p, runs, run)
     except OSError as exc:
         raise TrainguardError(
             f"cannot read {p}: {exc.strerror or exc}; check the path and its permissions"
         ) from None
+
+
+def _named(data: LogData, name: str, run: str | None) -> list[LogData]:
+    data.format = name
+    return _chosen_run(Path(name), [data], run)
+
+
+def _chosen_run(p: Path, runs: list[LogData], run: str | None) -> list[LogData]:
+    """The run named `run` (every run when None)."""
+    if run is None:
+        return runs
+    kept = [r for r in runs if r.run == run]
+    if not kept:
+        shown = ", ".join(str(r.run) for r in runs[:MAX_NAMES_SHOWN])
+        raise TrainguardError(f"{p}: no run '{run}' (the runs: {shown})")
+    return kept
+
+
+def delimiter_of(p: Path, first: str) -> str | None:
+    """The delimiter of a CSV/TSV log from its name and header line; None when it has none."""
+    if p.suffix.lower() == ".tsv" or "\t" in first:
+        return "\t"
+    if p.suffix.lower() == ".csv" or "," in first:
+        return ","
+    return None
+
+
+def header_of(first: str, delimiter: str, p: Path | None = None) -> list[str]:
+    """The column names of a header line."""
+    try:
+        with _field_limit(len(first)):
+            header = next(csv.reader([first.rstrip("\r\n")], delimiter=delimiter), [])
+    except csv.Error as exc:
+        raise TrainguardError(
+            f"{p or 'the log'}: the first line is not a header of column names ({exc}); "
+            "the first line must name the columns"
+        ) from None
+    return [c.strip() for c in header]
 
 
 def _is_binary(raw: bytes, head: str) -> bool:
@@ -249,7 +367,8 @@ def _missing(p: Path, name: str, found: set[str] | list[str]) -> TrainguardError
     )
 
 
-def _number(text: object) -> float | None:
+def number(text: object) -> float | None:
+    """A cell or JSON value as a float; None when it holds no number."""
     if text is None or text == "":
         return None
     if isinstance(text, (int, float)) and not isinstance(text, bool):
@@ -265,23 +384,18 @@ def _number(text: object) -> float | None:
         return None
 
 
-def _delimited(p: Path, delimiter: str, names: dict[str, str]) -> LogData:
-    out = _Columns()
+def delimited(p: Path, delimiter: str, names: dict[str, str], other_rows: bool = False) -> LogData:
+    """A CSV/TSV log's columns `names` (keys step, loss and any of OPTIONAL; values the
+    file's column names). With `other_rows`, a row without a loss is another kind of row (an
+    evaluation's, in an interleaved log), passed over without a warning."""
+    out = _Columns(other_rows=other_rows)
     with p.open("rb") as f:
         first = f.readline().decode("utf-8-sig", errors="replace")
-        try:
-            with _field_limit(len(first)):
-                header = next(csv.reader([first.rstrip("\r\n")], delimiter=delimiter), [])
-        except csv.Error as exc:
-            raise TrainguardError(
-                f"{p}: the first line is not a header of column names ({exc}); "
-                "the first line must name the columns"
-            ) from None
-        columns = [c.strip() for c in header]
+        columns = header_of(first, delimiter, p)
         for key in ("step", "loss"):
             if names[key] not in columns:
                 raise _missing(p, names[key], columns)
-        wanted = {**names, **{k: k for k in OPTIONAL if k in columns}}
+        wanted = {k: v for k, v in names.items() if v in columns}
         where = {key: columns.index(name) for key, name in wanted.items()}
         line, rest, tail = 2, b"", first[-1:]
         while True:
@@ -380,7 +494,7 @@ def _slow_block(
         if not row or not any(cell.strip() for cell in row):
             continue
         cells = {k: (row[i] if i < len(row) else None) for k, i in where.items()}
-        if not _keep(cells, cols):
+        if not _keep(cells, cols) and not (out.other_rows and not (cells["loss"] or "").strip()):
             out.skip(number)
     return {
         k: np.frombuffer(v, dtype=np.float64) if len(v) else np.empty(0) for k, v in cols.items()
@@ -388,22 +502,33 @@ def _slow_block(
 
 
 def _keep(cells: Mapping[str, object], cols: dict[str, array[float]]) -> bool:
-    step, loss = _number(cells.get("step")), _number(cells.get("loss"))
+    step, loss = number(cells.get("step")), number(cells.get("loss"))
     if step is None or loss is None or not abs(step) < MAX_STEP:
         return False
     cols["step"].append(step)
     cols["loss"].append(loss)
     for key in OPTIONAL:
         if key in cols:
-            v = _number(cells.get(key))
+            v = number(cells.get(key))
             cols[key].append(math.nan if v is None else v)
     return True
 
 
-def _jsonl(p: Path, names: dict[str, str]) -> LogData:
-    out = _Columns()
-    cols: dict[str, array[float]] = {k: array("d") for k in ("step", "loss", *OPTIONAL)}
+def jsonl(
+    p: Path,
+    options: ReadOptions,
+    names_for: Callable[[set[str], ReadOptions], dict[str, str]],
+) -> LogData:
+    """A JSONL log: the keys to read are chosen (`names_for`) from those of its first objects."""
     seen: set[str] = set()
+    with p.open(encoding="utf-8", errors="replace") as f:
+        for _, line in zip(range(PRESCAN_LINES), f, strict=False):
+            record = json_object(line) if line.strip() else None
+            if record is not None:
+                seen.update(record)
+    names = names_for(seen, options)
+    out = _Columns()
+    cols: dict[str, array[float]] = {k: array("d") for k in names}
     number, line = 0, ""
     with p.open(encoding="utf-8", errors="replace") as f:
         for number, line in enumerate(f, 1):
@@ -415,7 +540,7 @@ def _jsonl(p: Path, names: dict[str, str]) -> LogData:
                 continue
             if len(seen) < 64:
                 seen.update(record)
-            cells = {key: record.get(names.get(key, key)) for key in cols}
+            cells = {key: record.get(name) for key, name in names.items()}
             if not _keep(cells, cols):
                 out.skip(number)
     if line and not line.endswith("\n"):

@@ -41,9 +41,15 @@ class RunRecord:
     action_counts: dict[str, int] = field(default_factory=dict)  # over every record, replays too
 
 
-def load_run(path: str | Path, config: GuardConfig | None = None) -> RunRecord:
+def load_run(
+    path: str | Path,
+    config: GuardConfig | None = None,
+    log_format: str | None = None,
+    run: str | None = None,
+) -> RunRecord:
     """A run directory with metrics.jsonl (and events.jsonl, config.json), or any log that
-    `read_log` reads, which is then judged by the detectors."""
+    `read_log` reads (in `log_format`, or the one its content shows; the run named `run` of a
+    file of several), which is then judged by the detectors."""
     p = Path(path)
     if p.is_dir() and (p / "metrics.jsonl").is_file():
         try:
@@ -57,7 +63,7 @@ def load_run(path: str | Path, config: GuardConfig | None = None) -> RunRecord:
     from trainguard.analysis.logs import read_log
 
     cfg = config or GuardConfig(console=False)
-    data = read_log(p)
+    data = read_log(p, format=log_format, run=run)
     result = analyze(data, cfg)
     columns = {"loss": data.loss, **data.extra}
     return RunRecord(

@@ -1,0 +1,80 @@
+"""Generic logs: CSV/TSV with a header and JSONL, one row or object per step; the step and loss
+columns are the ones named, else the first of the usual names the file has."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainguard.analysis.formats import LIKELY, SURE, LogFormat, ReadOptions
+from trainguard.analysis.logs import (
+    LogData,
+    delimited,
+    delimiter_of,
+    header_of,
+    json_object,
+    jsonl,
+)
+
+STEP_NAMES = ("step", "global_step", "iteration", "iter", "_step", "Step", "trainer/global_step")
+LOSS_NAMES = ("loss", "train_loss", "train/loss", "training_loss", "train_loss_step", "lm_loss")
+OPTIONAL_NAMES = {
+    "grad_norm": ("grad_norm", "train/grad_norm", "gradient_norm", "grad-norm", "norm"),
+    "lr": ("lr", "learning_rate", "train/learning_rate", "train/lr", "lr-AdamW", "lr-Adam"),
+    "loss_scale": ("loss_scale", "train/loss_scale", "scale"),
+}
+
+
+def names_for(columns: list[str] | set[str], options: ReadOptions) -> dict[str, str]:
+    """The columns to read: the named ones where the user named them (or the file has the
+    default names), else the first usual name the file has; optional ones where present."""
+    chosen = {"step": options.step_column, "loss": options.loss_column}
+    usual_names: dict[str, tuple[str, ...]] = {"step": STEP_NAMES, "loss": LOSS_NAMES}
+    for key, usual in usual_names.items():
+        if chosen[key] == key and key not in columns:
+            chosen[key] = next((n for n in usual if n in columns), key)
+    for key, usual in OPTIONAL_NAMES.items():
+        found = next((n for n in usual if n in columns), None)
+        if found is not None and found not in chosen.values():
+            chosen[key] = found
+    return chosen
+
+
+def _sniff_csv(path: Path, head: str) -> int:
+    first = head.splitlines()[0] if head else ""
+    if path.suffix.lower() in (".csv", ".tsv"):
+        return LIKELY
+    if delimiter_of(path, first) is None:
+        return 0
+    columns = set(header_of(first, delimiter_of(path, first) or ","))
+    usual = any(n in columns for n in STEP_NAMES) and any(n in columns for n in LOSS_NAMES)
+    return LIKELY if usual else 1
+
+
+def _read_csv(path: Path, options: ReadOptions) -> list[LogData]:
+    with path.open("rb") as f:
+        first = f.readline().decode("utf-8-sig", errors="replace").rstrip("\r\n")
+    delimiter = delimiter_of(path, first) or ","
+    names = names_for(header_of(first, delimiter, path), options)
+    return [delimited(path, delimiter, names)]
+
+
+def _sniff_jsonl(path: Path, head: str) -> int:
+    if path.suffix.lower() == ".jsonl" or path.name == "metrics.jsonl":
+        return SURE if path.name == "metrics.jsonl" else LIKELY
+    first = next((line for line in head.splitlines() if line.strip()), "")
+    if json_object(first) is not None:
+        return LIKELY
+    return 1 if first.lstrip().startswith("{") or path.suffix.lower() == ".json" else 0
+
+
+def _read_jsonl(path: Path, options: ReadOptions) -> list[LogData]:
+    return [jsonl(path, options, names_for)]
+
+
+CSV = LogFormat("csv", "CSV or TSV with a header row: step and loss columns", _sniff_csv, _read_csv)
+JSONL = LogFormat(
+    "jsonl",
+    "JSON lines, one object per step (trainguard's metrics.jsonl too)",
+    _sniff_jsonl,
+    _read_jsonl,
+)

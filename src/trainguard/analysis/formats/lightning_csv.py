@@ -1,0 +1,69 @@
+"""Lightning's `CSVLogger` `metrics.csv`: `epoch`, `step` and one column per logged metric,
+with training and validation rows interleaved (each leaves the other's cells empty)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainguard.analysis.formats import LIKELY, LogFormat, ReadOptions
+from trainguard.analysis.logs import LogData, delimited, header_of
+from trainguard.events import TrainguardError
+
+TRAIN = ("train_loss_step", "train_loss", "train/loss", "loss_step", "loss", "training_loss")
+TOTAL = ("total_loss", "mean_loss", "loss_total")  # a sum or mean of several losses
+EVAL = ("val_loss", "val_loss_epoch", "valid_loss", "val/loss", "validation_loss", "eval_loss")
+
+
+def _columns(head: str) -> list[str]:
+    first = head.splitlines()[0] if head else ""
+    return header_of(first, ",") if "," in first else []
+
+
+def first_of(columns: list[str], usual: tuple[str, ...], *words: str) -> str | None:
+    """The first usual name the columns have, else the first column with every word (and not
+    an epoch mean)."""
+    found = next((n for n in usual if n in columns), None)
+    if found is not None:
+        return found
+    return next(
+        (c for c in columns if all(w in c.lower() for w in words) and "epoch" not in c.lower()),
+        None,
+    )
+
+
+def _sniff(path: Path, head: str) -> int:
+    columns = _columns(head)
+    if "epoch" in columns and "step" in columns and any("loss" in c for c in columns):
+        return LIKELY + 10
+    return 0
+
+
+def _read(path: Path, options: ReadOptions) -> list[LogData]:
+    with path.open("rb") as f:
+        columns = _columns(f.readline().decode("utf-8-sig", errors="replace"))
+    loss = first_of(columns, TRAIN, "train", "loss") or first_of(columns, TOTAL, "loss")
+    if loss is None:
+        raise TrainguardError(f"{path}: no loss column among {', '.join(columns)}")
+    names = {"step": "step", "loss": loss}
+    lr = next((c for c in columns if c == "lr" or c.startswith("lr-")), None)
+    norm = next((c for c in columns if "grad" in c and "norm" in c), None)
+    for key, name in (("lr", lr), ("grad_norm", norm)):
+        if name is not None:
+            names[key] = name
+    data = delimited(path, ",", names, other_rows=True)
+    evaluated = first_of(columns, EVAL, "val", "loss")
+    if evaluated is not None and evaluated != loss:
+        try:
+            evals = delimited(path, ",", {"step": "step", "loss": evaluated}, other_rows=True)
+        except TrainguardError:  # a column with no value in any row
+            return [data]
+        data.evals = {"step": evals.steps, "loss": evals.loss}
+    return [data]
+
+
+FORMAT = LogFormat(
+    "lightning_csv",
+    "Lightning CSVLogger metrics.csv (epoch, step, interleaved rows)",
+    _sniff,
+    _read,
+)

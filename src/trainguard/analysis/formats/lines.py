@@ -1,0 +1,159 @@
+"""`LineFormat`: a log a trainer prints line by line (stdout, log.txt), read with patterns for
+its training lines and its evaluation lines."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainguard.analysis.formats import LogFormat, ReadOptions
+from trainguard.analysis.logs import LogData, columns_of
+from trainguard.events import TrainguardError
+
+NUMBER = r"[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|NaN|NAN|inf|Inf|INF|infinity)"
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # colour codes (torchtitan, rich, loguru)
+FIELDS = ("grad_norm", "lr", "loss_scale")
+MAX_LINE = 1 << 16  # a longer line is no trainer's log line (a data dump): passed over
+MOST_SURE = 99  # a count of matching lines scores at most this: a format's own marker wins
+
+Row = dict[str, str]  # a line's values: step, loss, and any of FIELDS
+
+
+@dataclass
+class ParsedLines:
+    """Training rows and evaluation rows, in file order; a row printed again for the same step
+    right after (a progress bar's redraw) replaces the one before."""
+
+    rows: dict[str, list[float]] = field(
+        default_factory=lambda: {k: [] for k in ("step", "loss", *FIELDS)}
+    )
+    evals: dict[str, list[float]] = field(default_factory=lambda: {"step": [], "loss": []})
+
+    def add(self, row: Row) -> None:
+        step = float(row["step"])
+        again = bool(self.rows["step"]) and self.rows["step"][-1] == step
+        for key in ("step", "loss", *FIELDS):
+            value = step if key == "step" else value_of(row.get(key))
+            if again:
+                self.rows[key][-1] = value
+            else:
+                self.rows[key].append(value)
+
+    def add_eval(self, row: Row) -> None:
+        step = float(row["step"]) if "step" in row else self.last_step
+        if self.evals["step"] and self.evals["step"][-1] == step:
+            self.evals["loss"][-1] = value_of(row["loss"])
+            return
+        self.evals["step"].append(step)
+        self.evals["loss"].append(value_of(row["loss"]))
+
+    @property
+    def last_step(self) -> float:
+        return self.rows["step"][-1] if self.rows["step"] else 0.0
+
+
+@dataclass(frozen=True)
+class LineFormat:
+    """A text log. `train` matches a training line (groups `step` and `loss`); `fields` find
+    grad_norm, lr or loss_scale on it (or the step, printed apart from the loss); `evals` match
+    an evaluation line (`loss`, and `step` unless it is the last training step's); `adjust` may
+    rewrite a matched row from its line, or drop it (None)."""
+
+    name: str
+    description: str
+    train: tuple[re.Pattern[str], ...]
+    fields: dict[str, re.Pattern[str]] = field(default_factory=dict)
+    evals: tuple[re.Pattern[str], ...] = ()
+    adjust: Callable[[Row, str], Row | None] | None = None
+
+    def sniff(self, path: Path, head: str) -> int:
+        """How many lines of `head` are this format's (at most MOST_SURE)."""
+        count = 0
+        for line in _split(head.splitlines()):
+            if len(line) > MAX_LINE:
+                continue
+            clean = ANSI.sub("", line) if "\x1b" in line else line
+            if any(p.search(clean) for p in self.train + self.evals):
+                count += 1
+                if count >= MOST_SURE:
+                    break
+        return count
+
+    def parse_lines(self, lines: Iterable[str]) -> ParsedLines:
+        out = ParsedLines()
+        for line in _split(lines):
+            if len(line) > MAX_LINE:
+                continue
+            if "\x1b" in line:
+                line = ANSI.sub("", line)
+            row = self._train_row(line)
+            if row is not None:
+                out.add(row)
+            for pattern in self.evals:  # a line may hold both (a progress bar's)
+                match = pattern.search(line)
+                if match is not None:
+                    found = {k: v for k, v in match.groupdict().items() if v is not None}
+                    step = self.fields.get("step")
+                    hit = step.search(line) if step is not None and "step" not in found else None
+                    if hit is not None:
+                        found["step"] = hit["step"]
+                    out.add_eval(found)
+                    break
+        return out
+
+    def _train_row(self, line: str) -> Row | None:
+        for pattern in self.train:
+            match = pattern.search(line)
+            if match is None:
+                continue
+            row: Row | None = {k: v for k, v in match.groupdict().items() if v is not None}
+            assert row is not None
+            for key, found in self.fields.items():
+                hit = found.search(line)
+                if hit is not None and key not in row:
+                    row[key] = hit[key]
+            if self.adjust is not None:
+                row = self.adjust(row, line)
+            return row if row is not None and "step" in row and "loss" in row else None
+        return None
+
+    def read(self, path: Path, options: ReadOptions) -> list[LogData]:
+        try:
+            with path.open(encoding="utf-8", errors="replace", newline="") as f:
+                parsed = self.parse_lines(f)
+        except OSError as exc:
+            raise TrainguardError(
+                f"cannot read {path}: {exc.strerror or exc}; check the path and its permissions"
+            ) from None
+        if not parsed.rows["step"] and not parsed.evals["step"]:
+            raise TrainguardError(
+                f"{path}: no line of the {self.name} format holds a step and a loss; name "
+                "another format with --format"
+            )
+        return [columns_of(path, parsed.rows, parsed.evals)]
+
+    def log_format(self) -> LogFormat:
+        return LogFormat(self.name, self.description, self.sniff, self.read)
+
+
+def value_of(text: str | None) -> float:
+    """A printed number as a float (NaN where none was printed)."""
+    if text is None:
+        return float("nan")
+    return float(text.lower().replace("infinity", "inf"))
+
+
+def _split(lines: Iterable[str]) -> Iterator[str]:
+    """Lines split also at the carriage returns a progress bar redraws with."""
+    for line in lines:
+        if "\r" in line:
+            yield from (part for part in line.split("\r") if part.strip())
+        else:
+            yield line
+
+
+def pattern(text: str, flags: int = 0) -> re.Pattern[str]:
+    """A line pattern with `{N}` standing for a printed number (NaN and Inf included)."""
+    return re.compile(text.replace("{N}", NUMBER), flags)

@@ -1,0 +1,245 @@
+"""Native log formats, read from real excerpts of public runs (tests/data/native_logs, with
+their sources in SOURCES.md): each found by content, with the values the file prints, its
+evaluations apart, its NaN and restarts; and `analyze` over them as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainguard.analysis import analyze, read_log
+from trainguard.analysis.formats import names
+from trainguard.analysis.logs import read_runs
+from trainguard.events import TrainguardError
+
+LOGS = Path(__file__).parent / "data" / "native_logs"
+
+# file, format, training rows, (first step, its loss), columns besides the loss, evaluations
+EXPECTED = [
+    (
+        "hf_trainer_state/trl_sft_tinyllama_trainer_state.json",
+        "hf_trainer_state",
+        186,
+        (15, 2.0762),
+        {"grad_norm", "lr"},
+        14,
+    ),
+    (
+        "hf_trainer_state/whisper_seq2seq_trainer_state_no_grad_norm.json",
+        "hf_trainer_state",
+        200,
+        (25, 0.3048),
+        {"lr"},
+        5,
+    ),
+    ("lightning_csv/gpttt_version_0_metrics.csv", "lightning_csv", 10, (49, 2.62029362), set(), 2),
+    (
+        "lightning_csv/slm_training_version_0_metrics.csv",
+        "lightning_csv",
+        197,
+        (49, 7.62858057),
+        set(),
+        2,
+    ),
+    (
+        "megatron/megatron_lm_resume_from_14000_srun_prefixed.log",
+        "megatron",
+        19,
+        (14001, 2.399058),
+        {"grad_norm", "lr", "loss_scale"},
+        0,
+    ),
+    (
+        "deepspeed/megatron_deepspeed_steps_loss_iter_time_qwen7b.log",
+        "megatron",
+        128,
+        (1, 12.63599),
+        {"grad_norm", "lr", "loss_scale"},
+        1,
+    ),
+    (
+        "torchtitan/torchtitan_ansi_resume_from_step12500_with_validate.log",
+        "torchtitan",
+        152,
+        (12510, 3.12458),
+        {"grad_norm"},
+        2,
+    ),
+    (
+        "torchtitan/torchtitan_ansi_llama3_150m_from_step1.log",
+        "torchtitan",
+        103,
+        (1, 12.26907),
+        {"grad_norm"},
+        0,
+    ),
+    (
+        "llmc/llmc_main_log_gpt2_124M_modded_nanogpt_record.log",
+        "llmc",
+        298,
+        (0, 11.0091),
+        {"grad_norm", "lr"},
+        3,
+    ),
+    (
+        "nanogpt/nanogpt_train_py_stdout_keyboardinterrupt.log",
+        "nanogpt",
+        255,
+        (0, 10.9766),
+        set(),
+        2,
+    ),
+    ("nanogpt/build_nanogpt_log_txt_linear_lr.log", "build_nanogpt", 264, (0, 10.95501), set(), 3),
+    (
+        "nanogpt/build_nanogpt_stdout_linear_lr.log",
+        "build_nanogpt",
+        268,
+        (0, 10.95501),
+        {"grad_norm", "lr"},
+        2,
+    ),
+    (
+        "modded_nanogpt/modded_nanogpt_2024-10-10_Muon_eb5659d0.txt",
+        "modded_nanogpt",
+        266,
+        (1, 10.9184),
+        set(),
+        4,
+    ),
+]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trainguard", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(("name", "fmt", "rows", "first", "extra", "evals"), EXPECTED)
+def test_each_native_log_is_found_by_content_with_its_values(name, fmt, rows, first, extra, evals):
+    data = read_log(LOGS / name)
+    assert data.format == fmt and len(data.steps) == rows
+    assert (int(data.steps[0]), float(data.loss[0])) == pytest.approx(first)
+    assert set(data.extra) == extra
+    assert len(data.evals.get("step", ())) == evals
+    assert not data.warnings  # evaluation rows and other lines are not "bad rows"
+    assert np.all(np.diff(data.steps) > 0)
+
+
+def test_torchtitan_keeps_validation_apart_and_drops_colour_codes():
+    data = read_log(LOGS / "torchtitan/torchtitan_ansi_resume_from_step12500_with_validate.log")
+    at = int(np.flatnonzero(data.steps == 13000)[0])
+    assert data.loss[at] == pytest.approx(3.46973)  # the training line, not `validate step`
+    assert data.extra["grad_norm"][at] == pytest.approx(0.0276)
+    assert list(data.evals["step"]) == [13000, 14000]
+    assert list(data.evals["loss"]) == pytest.approx([3.3539, 3.3315])
+
+
+def test_a_lightning_loss_that_turns_nan_is_a_critical_incident():
+    """Every loss of this PINN run is `nan` from step 218: analyze says so, exit 1."""
+    log = LOGS / "lightning_csv/pinn_version_14_metrics_with_nan.csv"
+    data = read_log(log)
+    assert data.format == "lightning_csv" and np.isnan(data.loss[data.steps >= 218]).all()
+    result = analyze(data)
+    nonfinite = [e for e in result.events if e.kind == "nonfinite"]
+    assert [(e.step, e.severity) for e in nonfinite] == [(218, "critical")]
+    out = cli("analyze", str(log))
+    assert out.returncode == 1 and "lightning_csv" in out.stdout
+
+
+def test_a_wandb_panel_export_is_judged_run_by_run(tmp_path):
+    log = LOGS / "wandb_csv/nanogpt_panel_export_8runs_train_loss_MIN_MAX.csv"
+    runs = read_runs(log)
+    assert len(runs) == 8 and all(r.format == "wandb_csv" for r in runs)
+    assert len({r.run for r in runs}) == 8
+    with pytest.raises(TrainguardError, match="holds 8 runs"):
+        read_log(log)
+    one = read_log(log, run=runs[5].run)
+    assert list(one.steps) == list(runs[5].steps)
+    out = cli("analyze", str(log), "--json")
+    judged = json.loads(out.stdout)["runs"]
+    assert [r["run"] for r in judged] == [r.run for r in runs]
+    assert out.returncode == (1 if any(r["events"] for r in judged) else 0)
+    page = tmp_path / "report.html"
+    report = cli("report", str(log), "--run", str(runs[5].run), "-o", str(page))
+    assert report.returncode == 0 and str(runs[5].run) in page.read_text()
+    refused = cli("report", str(log), "-o", str(page))
+    assert refused.returncode == 2 and "holds 8 runs" in refused.stderr
+
+
+def test_format_forces_a_reader_and_an_unknown_one_is_listed():
+    log = LOGS / "deepspeed/megatron_deepspeed_steps_loss_iter_time_qwen7b.log"
+    forced = read_log(log, format="deepspeed")  # its `steps: N loss: X` lines
+    assert forced.format == "deepspeed" and forced.loss[0] == pytest.approx(12.6360)
+    assert len(forced.steps) == 129
+    out = cli("analyze", str(log), "--format", "nosuch")
+    assert out.returncode == 2 and "no log format 'nosuch'" in out.stderr
+    assert all(n in out.stderr for n in names())
+
+
+def test_a_text_log_that_fits_no_format_is_one_line_listing_them(tmp_path):
+    log = tmp_path / "notes.log"
+    log.write_text("epoch one went fine\nthen the second\n")
+    out = cli("analyze", str(log))
+    assert out.returncode == 2 and "no known log format matched" in out.stderr
+    assert "megatron" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_restart_replays_steps_and_a_progress_bar_redraw_does_not(tmp_path):
+    """A llm.c main.log whose run restarted from step 2 replays steps 2-3: the first pass is
+    kept apart as abandoned. A NeMo-style progress bar drawn again for one step (carriage
+    returns) is one row, its last."""
+    lines = (LOGS / "llmc/llmc_main_log_gpt2_124M_modded_nanogpt_record.log").read_text()
+    head = [ln for ln in lines.splitlines() if ln.startswith("s:")][:8]
+    restarted = tmp_path / "main.log"
+    restarted.write_text("\n".join(head + [h.replace("trl:", "trl:9") for h in head[3:6]]) + "\n")
+    data = read_log(restarted)
+    assert data.format == "llmc" and list(data.abandoned["step"]) == [2, 3, 4]
+    bar = tmp_path / "nemo.log"
+    draws = [
+        f"Epoch 0: {i}it [00:0{i}, reduced_train_loss={3 - i / 10:.2f}, global_step={i}.0"
+        for i in range(5)
+    ]
+    again = draws[4].replace("2.60", "2.55") + ", val_loss=2.9"
+    bar.write_text("\r".join([*draws, again]) + "\n")
+    nemo = read_log(bar)
+    assert nemo.format == "nemo" and list(nemo.steps) == [0, 1, 2, 3, 4]
+    assert nemo.loss[-1] == pytest.approx(2.55) and not len(nemo.abandoned)
+    assert list(nemo.evals["loss"]) == [2.9]
+
+
+def test_megatron_intervals_with_nan_iterations_read_as_nan(tmp_path):
+    line = (LOGS / "megatron/megatron_lm_resume_from_14000_srun_prefixed.log").read_text()
+    rows = [ln for ln in line.splitlines() if "iteration " in ln and "lm loss" in ln]
+    assert len(rows) == 19
+    rows[10] = rows[10].replace("number of nan iterations:   0", "number of nan iterations:   3")
+    log = tmp_path / "megatron.log"
+    log.write_text("\n".join(rows) + "\n")
+    data = read_log(log)
+    assert np.isnan(data.loss[10]) and np.isfinite(np.delete(data.loss, 10)).all()
+    assert [e.kind for e in analyze(data).events if e.severity == "critical"] == ["nonfinite"]
+
+
+def test_a_modded_nanogpt_log_with_validation_only_is_judged_on_it():
+    data = read_log(LOGS / "modded_nanogpt/modded_nanogpt_2025-09-03_FA3_44fc1276_valonly.txt")
+    assert data.format == "modded_nanogpt" and list(data.steps) == [0, 125, 250, 1670]
+    assert data.loss[-1] == pytest.approx(3.2755)
+    assert "no training loss: judging its evaluation loss" in data.warnings[0]
+
+
+def test_a_damaged_trainer_state_is_one_clear_line(tmp_path):
+    whole = (LOGS / "hf_trainer_state/trl_sft_tinyllama_trainer_state.json").read_text()
+    cut = tmp_path / "trainer_state.json"
+    cut.write_text(whole[: len(whole) // 2])
+    out = cli("analyze", str(cut))
+    assert out.returncode == 2 and "not a readable trainer_state.json" in out.stderr
+    assert "Traceback" not in out.stderr
+    folder = tmp_path / "checkpoint-500"
+    folder.mkdir()
+    (folder / "trainer_state.json").write_text(whole)
+    assert read_log(folder).format == "hf_trainer_state"  # a checkpoint folder is read too
