@@ -17,15 +17,26 @@ NAN_CALL, TOXIC_CALL = 30, 45  # forward calls (one per optimizer step here)
 
 
 class Faults:
-    """A forward hook that makes the loss NaN on one call and 20x on another."""
+    """A forward hook (registered with kwargs) that makes the loss NaN on one batch and 20x on
+    another; batches are counted by their input tensor, so a replay of a step's batch (the
+    guard tracing a NaN) meets the same fault."""
 
     def __init__(self) -> None:
         self.calls = 0
+        self.last: object = None
 
-    def __call__(self, module: nn.Module, inputs: object, output: object) -> object:
+    def count(self, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+        batch = kwargs.get("input_ids", args[0] if args else None)
+        if batch is not self.last:
+            self.calls += 1
+            self.last = batch
+
+    def __call__(
+        self, module: nn.Module, args: tuple[object, ...], kwargs: dict, output: object
+    ) -> object:
         if not module.training:
             return output
-        self.calls += 1
+        self.count(args, kwargs)
         loss = output.loss  # type: ignore[attr-defined]
         if self.calls == NAN_CALL:
             output.loss = loss * float("nan")  # type: ignore[attr-defined]
@@ -85,7 +96,7 @@ def test_the_hf_trainer_callback_skips_the_nan_and_the_toxic_step(tmp_path):
     from trainguard.integrations.hf import TrainguardCallback
 
     model = tiny_gpt2()
-    model.register_forward_hook(Faults())
+    model.register_forward_hook(Faults(), with_kwargs=True)
     callback = TrainguardCallback(tg.GuardConfig(console=False))
     trainer = hf_train(tmp_path, model, callback, learning_rate=3e-3, max_grad_norm=1.0, seed=0)
     args = trainer.args
@@ -113,7 +124,7 @@ def test_the_plain_guard_works_with_an_accelerate_prepared_model(tmp_path, preci
     model = tiny_gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, opt = accelerator.prepare(model, opt)
-    model.register_forward_hook(Faults())
+    model.register_forward_hook(Faults(), with_kwargs=True)
     guard = tg.Guard(model, opt, config=tg.GuardConfig(console=False), run_dir=tmp_path)
     data = samples(70 * 8)
     for step in range(70):
@@ -138,7 +149,7 @@ def lightning_module(faults: Faults):
         def __init__(self) -> None:
             super().__init__()
             self.model = tiny_gpt2()
-            self.model.register_forward_hook(faults)
+            self.model.register_forward_hook(faults, with_kwargs=True)
 
         def training_step(self, batch, batch_idx):
             return self.model(input_ids=batch, labels=batch).loss
@@ -203,7 +214,7 @@ def test_a_halt_stops_the_hf_trainer_with_the_diagnosis(tmp_path):
     from trainguard.integrations.hf import TrainguardCallback
 
     model = tiny_gpt2()
-    model.register_forward_hook(Faults())
+    model.register_forward_hook(Faults(), with_kwargs=True)
     config = tg.GuardConfig.from_dict({"console": False, "policy": {"halt_on": ["nonfinite"]}})
     callback = TrainguardCallback(config)
     trainer = hf_train(tmp_path, model, callback)
@@ -214,11 +225,13 @@ def test_a_halt_stops_the_hf_trainer_with_the_diagnosis(tmp_path):
 
 
 class Run(Faults):
-    """A run of toxic batches: the loss 20x on forward calls 40 to 45."""
+    """A run of toxic batches: the loss 20x on batches 40 to 45."""
 
-    def __call__(self, module: nn.Module, inputs: object, output: object) -> object:
+    def __call__(
+        self, module: nn.Module, args: tuple[object, ...], kwargs: dict, output: object
+    ) -> object:
         if module.training:
-            self.calls += 1
+            self.count(args, kwargs)
             if 40 <= self.calls <= 45:
                 output.loss = output.loss * 20.0  # type: ignore[attr-defined]
         return output
@@ -228,7 +241,7 @@ def test_the_hf_trainer_rolls_back_through_the_guard(tmp_path):
     from trainguard.integrations.hf import TrainguardCallback
 
     model = tiny_gpt2()
-    model.register_forward_hook(Run())
+    model.register_forward_hook(Run(), with_kwargs=True)
     config = tg.GuardConfig.from_dict(
         {"console": False, "recovery": {"snapshot_every": 10, "rollback_margin": 2}}
     )
@@ -491,3 +504,75 @@ def test_an_hf_explosion_with_no_snapshot_before_it_says_so_and_cuts_the_lr(tmp_
     (unavailable,) = [e for e in found if e["kind"] == "rollback_unavailable"]
     assert 50 <= unavailable["metrics"]["incident_step"] <= 56
     assert any(e["kind"] == "lr_reduced" and e["step"] == unavailable["step"] for e in found)
+
+
+class Poison:
+    """A forward hook on one MLP that makes its output NaN while `on` (for one whole step)."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def __call__(self, module: nn.Module, inputs: object, output: torch.Tensor) -> torch.Tensor:
+        return output * float("nan") if self.on else output
+
+
+def nan_origins(path) -> list[dict]:
+    return [e for e in events(path / "trainguard" / "events.jsonl") if e["kind"] == "nan_origin"]
+
+
+def test_the_hf_callback_traces_a_nan_to_the_module_that_made_it(tmp_path):
+    """The callback hands the guard a replay of the step's micro-batches: a NaN made inside
+    transformer.h.1.mlp on step 30 is traced there, critical (it comes back on replay)."""
+    from transformers import TrainerCallback
+
+    from trainguard.integrations.hf import TrainguardCallback
+
+    poison = Poison()
+
+    class During(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            poison.on = state.global_step == 30
+
+        def on_step_end(self, args, state, control, **kwargs):
+            poison.on = False
+
+    model = tiny_gpt2()
+    model.transformer.h[1].mlp.register_forward_hook(poison)
+    callback = TrainguardCallback(tg.GuardConfig(console=False))
+    hf_train(tmp_path, model, callback, 70, [During()], learning_rate=3e-3, seed=0)
+    (origin,) = nan_origins(tmp_path)
+    assert origin["step"] == 30 and origin["severity"] == "critical"
+    assert "transformer.h.1.mlp" in origin["message"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_lightning_callback_traces_a_nan_to_the_module_that_made_it(tmp_path):
+    import lightning.pytorch as pl
+
+    from trainguard.integrations.lightning import TrainguardCallback
+
+    poison = Poison()
+
+    class During(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            poison.on = batch_idx == 30
+
+    module = lightning_module(lambda module, args, kwargs, output: output)  # no other fault
+    module.model.transformer.h[1].mlp.register_forward_hook(poison)
+    callback = TrainguardCallback(tg.GuardConfig(console=False))
+    data = torch.stack([s["input_ids"] for s in samples(70 * 8)])
+    trainer = pl.Trainer(
+        max_steps=70,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[During(), callback],
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    (origin,) = nan_origins(tmp_path)
+    assert origin["step"] == 30 and origin["severity"] == "critical"
+    assert "transformer.h.1.mlp" in origin["message"]
+    assert all(torch.isfinite(p).all() for p in module.parameters())

@@ -186,6 +186,10 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())
 
 
+def _any_nan(tensors: list[torch.Tensor]) -> bool:
+    return any(bool(torch.isnan(t).any()) for t in tensors if t.numel())
+
+
 def _absmax(tensors: list[torch.Tensor]) -> float:
     finite = [t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max() for t in tensors if t.numel()]
     return max((float(v) for v in finite), default=0.0)
@@ -217,6 +221,9 @@ def _hint(op: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> s
     return "an operation produced NaN from finite inputs"
 
 
+UNINITIALIZED = ("aten.empty", "aten.new_empty")  # ops whose output memory is not yet written
+
+
 class _Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Checks every op: the first whose output is non-finite while its inputs are finite."""
 
@@ -227,11 +234,16 @@ class _Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         state = self.state
+        if str(func).startswith(UNINITIALIZED):  # garbage until written: nothing to judge
+            state.made_here(out)
+            return out
         if state.origin is None and not state.paused:
             outputs = _floats(out)
             if outputs and not _all_finite(outputs):
                 inputs = _floats((args, kwargs))
-                if _all_finite(inputs):
+                if not inputs and not _any_nan(outputs):
+                    pass  # an infinite constant made from nothing: an attention mask's -inf
+                elif _all_finite(inputs):
                     state.found_op(str(func), inputs, outputs)
                 elif state.direction == "forward":
                     state.found_external(str(func), inputs)

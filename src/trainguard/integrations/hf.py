@@ -48,6 +48,10 @@ class TrainguardCallback(TrainerCallback):
         self.guard: Guard | None = None
         self.halted: TrainingHalted | None = None
         self._losses: list[torch.Tensor] = []
+        self._model: torch.nn.Module | None = None
+        # each micro-batch's forward inputs of this optimizer step, to replay a NaN step
+        self._inputs: list[tuple[Any, dict[str, Any]]] = []
+        self._replaying = False
         self._hook: Any = None
         self._scheduler: Any = None
         self._schedules = ScheduleHistory([])
@@ -82,7 +86,8 @@ class TrainguardCallback(TrainerCallback):
         if self.guard is not None:  # a fit that ended in an error left it open
             self.guard.close()
         self.guard = Guard(model, inner, config=config, run_dir=run_dir)
-        self._hook = model.register_forward_hook(self._capture)
+        self._model = model
+        self._hook = model.register_forward_hook(self._capture, with_kwargs=True)
         self._scheduler = kwargs.get("lr_scheduler")
         # only data with a length is taken on past max_steps: a stream would start over
         loader = kwargs.get("train_dataloader")
@@ -107,9 +112,12 @@ class TrainguardCallback(TrainerCallback):
         guarded_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         optimizer.step = guarded_step  # the Trainer calls this once per optimizer step
 
-    def _capture(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
-        if not module.training:
+    def _capture(
+        self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any
+    ) -> None:
+        if not module.training or self._replaying:
             return
+        self._inputs.append((args, kwargs))
         loss = getattr(output, "loss", None)
         if loss is None and isinstance(output, dict):
             loss = output.get("loss")
@@ -127,9 +135,10 @@ class TrainguardCallback(TrainerCallback):
             )
         loss = torch.stack(self._losses).mean()  # the micro-batches of this optimizer step
         self._losses = []
+        inputs, self._inputs = self._inputs, []
         before = self.guard.global_step
         try:
-            self.guard.step(loss)
+            self.guard.step(loss, replay=lambda: self._replay(inputs))
         except TrainingHalted as exc:
             self.halted = exc
             return
@@ -138,6 +147,17 @@ class TrainguardCallback(TrainerCallback):
             self.lost_steps += before + 1 - now
             self._schedules.restore(now)
         self._keep_schedule()
+
+    def _replay(self, inputs: list[tuple[Any, dict[str, Any]]]) -> torch.Tensor:
+        """This optimizer step's micro-batches run again (the guard traces a NaN's origin with
+        it): the mean of their losses."""
+        assert self._model is not None
+        self._replaying = True
+        try:
+            losses = [_loss_of(self._model(*args, **kwargs)) for args, kwargs in inputs]
+        finally:
+            self._replaying = False
+        return torch.stack(losses).mean()
 
     def _keep_schedule(self) -> None:
         """Keep the scheduler's state for the guard's next step (before the Trainer steps it),
@@ -164,3 +184,13 @@ class TrainguardCallback(TrainerCallback):
             self._hook = None
         if self.guard is not None and self.halted is None:
             self.guard.close()
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    """The loss a Hugging Face model's forward returned (given labels)."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if not isinstance(loss, torch.Tensor):
+        raise TrainguardError("the replayed forward returned no loss")
+    return loss

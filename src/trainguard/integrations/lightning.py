@@ -45,6 +45,7 @@ class TrainguardCallback(pl.Callback):
         self._schedules = ScheduleHistory([])
         self._planned: int | None = None  # max_steps at the start, where it can be raised
         self.lost_steps = 0  # steps undone by rollbacks, made up for at the end
+        self._batch: tuple[Any, int] | None = None  # this step's batch, to replay a NaN step
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if len(trainer.optimizers) != 1:
@@ -89,7 +90,7 @@ class TrainguardCallback(pl.Callback):
             try:
                 assert callback.guard is not None
                 if callback.halted is None:
-                    callback._step(trainer, loss.detach())
+                    callback._step(trainer, pl_module, loss.detach())
             except TrainingHalted as exc:
                 callback.halted = exc
                 trainer.should_stop = True
@@ -103,12 +104,25 @@ class TrainguardCallback(pl.Callback):
         guarded_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         setattr(optimizer, "step", guarded_step)  # noqa: B010 - the step, replaced on purpose
 
-    def _step(self, trainer: pl.Trainer, loss: Any) -> None:
-        """The guard's step; after a rollback, the schedule goes back and the fit grows by the
-        steps lost."""
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch = (batch, batch_idx)
+
+    def _step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        """The guard's step (it may replay the batch's training_step to trace a NaN's origin);
+        after a rollback, the schedule goes back and the fit grows by the steps lost."""
         assert self.guard is not None
         before = self.guard.global_step
-        self.guard.step(loss)
+        batch = self._batch
+
+        def replay() -> Any:
+            assert batch is not None
+            with trainer.precision_plugin.train_step_context():
+                out = pl_module.training_step(batch[0], batch[1])
+            return out["loss"] if isinstance(out, dict) else out
+
+        self.guard.step(loss, replay=replay if batch is not None else None)
         now = self.guard.global_step
         if now != before + 1:  # rolled back (a skip counts as a step)
             self.lost_steps += before + 1 - now
