@@ -243,3 +243,77 @@ def test_a_damaged_trainer_state_is_one_clear_line(tmp_path):
     folder.mkdir()
     (folder / "trainer_state.json").write_text(whole)
     assert read_log(folder).format == "hf_trainer_state"  # a checkpoint folder is read too
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt"),
+    [
+        ("hf_trainer_state/trl_sft_tinyllama_trainer_state.json", "hf_trainer_state"),
+        ("lightning_csv/slm_training_version_0_metrics.csv", "lightning_csv"),
+        ("wandb_csv/nanogpt_panel_export_8runs_train_loss_MIN_MAX.csv", "wandb_csv"),
+        ("llmc/llmc_main_log_gpt2_124M_modded_nanogpt_record.log", "llmc"),
+    ],
+)
+def test_a_byte_order_mark_changes_nothing(tmp_path, name, fmt):
+    """Excel and Windows tools save UTF-8 with a BOM: the same format and rows are read."""
+    plain = read_runs(LOGS / name)
+    marked = tmp_path / Path(name).name
+    marked.write_bytes(b"\xef\xbb\xbf" + (LOGS / name).read_bytes())
+    again = read_runs(marked)
+    assert [r.format for r in again] == [fmt] * len(plain)
+    assert [list(r.steps) for r in again] == [list(r.steps) for r in plain]
+    assert [sorted(r.extra) for r in again] == [sorted(r.extra) for r in plain]
+    assert not any(r.warnings for r in again)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\ufeff" + "".join(f'{{"step": {i}, "loss": 2.0}}\n' for i in range(5)))
+    assert len(read_log(metrics).steps) == 5 and not read_log(metrics).warnings
+
+
+def test_a_lightning_lr_logged_on_rows_of_its_own_is_read_per_step(tmp_path):
+    """LearningRateMonitor writes `lr-AdamW` on rows without the loss."""
+    log = tmp_path / "metrics.csv"
+    log.write_text(
+        "epoch,lr-AdamW,step,train_loss,val_loss\n"
+        ",0.001,0,,\n0,,0,2.5,\n0,,1,2.4,\n,0.0005,2,,\n0,,2,2.3,\n0,,2,,2.6\n"
+    )
+    data = read_log(log)
+    assert data.format == "lightning_csv" and list(data.steps) == [0, 1, 2]
+    assert list(data.extra["lr"]) == [0.001, 0.001, 0.0005]
+    assert list(data.evals["loss"]) == [2.6] and not data.warnings
+
+
+def test_nemo_redraws_keep_the_fields_a_later_draw_lacks(tmp_path):
+    log = tmp_path / "nemo.log"
+    log.write_text(
+        "Epoch 0: 99it [reduced_train_loss=3.1, global_step=99.0, lr=0.0002, grad_norm=1.5\r"
+        "Epoch 0: 99it [reduced_train_loss=3.1, global_step=99.0, val_loss=3.3]\n"
+    )
+    data = read_log(log)
+    assert data.extra["lr"][0] == 0.0002 and data.extra["grad_norm"][0] == 1.5
+    assert list(data.evals["loss"]) == [3.3]
+
+
+def test_column_flags_and_run_names_are_refused_where_they_do_not_apply(tmp_path):
+    megatron = LOGS / "megatron/megatron_lm_resume_from_14000_srun_prefixed.log"
+    out = cli("analyze", str(megatron), "--column", "nll")
+    assert (
+        out.returncode == 2 and "reads as a megatron log: --column and --step-column" in out.stderr
+    )
+    out = cli("analyze", str(megatron), "--run", "foo")
+    assert out.returncode == 2 and "holds one run: drop --run" in out.stderr
+    stdout = tmp_path / "hf_stdout.log"  # the HF Trainer's printed dicts carry no step
+    stdout.write_text("{'loss': 3.2, 'grad_norm': 1.1, 'learning_rate': 5e-05, 'epoch': 0.1}\n")
+    out = cli("analyze", str(stdout))
+    assert out.returncode == 2 and "no known log format matched" in out.stderr
+
+
+def test_json_names_the_format_and_report_takes_the_column_flags(tmp_path):
+    out = cli(
+        "analyze", str(LOGS / "llmc/llmc_main_log_gpt2_124M_modded_nanogpt_record.log"), "--json"
+    )
+    assert json.loads(out.stdout)["summary"]["format"] == "llmc"
+    odd = tmp_path / "odd.csv"
+    odd.write_text("it,nll\n" + "".join(f"{i},{3 - i / 1000}\n" for i in range(100)))
+    page = tmp_path / "r.html"
+    made = cli("report", str(odd), "--column", "nll", "--step-column", "it", "-o", str(page))
+    assert made.returncode == 0 and page.stat().st_size > 0

@@ -90,10 +90,11 @@ def analyze(
     runs = read_runs(path, column, step_column, tag, log_format, run)
     results = [run_analysis(data, cfg) for data in runs]
     if as_json:
-        objects = [
-            {"run": d.run, **r.to_dict()} if d.run else r.to_dict()
-            for d, r in zip(runs, results, strict=True)
-        ]
+        objects = []
+        for data, result in zip(runs, results, strict=True):
+            judged = result.to_dict()
+            judged["summary"]["format"] = data.format
+            objects.append({"run": data.run, **judged} if data.run else judged)
         out = objects[0] if len(objects) == 1 else {"runs": objects}
         typer.echo(json.dumps(out, allow_nan=False))
     else:
@@ -179,6 +180,9 @@ def report(
     run: Annotated[
         str | None, typer.Option(help="In a file of several runs (a W&B export), this one.")
     ] = None,
+    column: Annotated[str, typer.Option(help="The loss column of a CSV/JSONL log.")] = "loss",
+    step_column: Annotated[str, typer.Option(help="The step column of a CSV/JSONL log.")] = "step",
+    tag: Annotated[str | None, typer.Option(help="The TensorBoard scalar of the loss.")] = None,
 ) -> None:
     """Write one self-contained HTML report (plots, incident cards, lint, config) of a run or
     log; it opens offline in any browser."""
@@ -186,7 +190,7 @@ def report(
     from trainguard.sinks.html_report import write_report
 
     cfg = GuardConfig.load(config) if config is not None else None
-    record = load_run(source, cfg, log_format, run)
+    record = load_run(source, cfg, log_format, run, column, step_column, tag)
     if title is None and run is not None:
         title = f"trainguard report: {source} (run {run})"
     for warning in record.warnings:

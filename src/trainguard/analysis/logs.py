@@ -265,14 +265,18 @@ def read_runs(
             return _named(_tensorboard(p, tb_tag), "tensorboard", run)
         with p.open("rb") as f:
             raw = f.read(SNIFF_BYTES)
-        head = raw.decode("utf-8", errors="replace")
+        head = raw.decode("utf-8", errors="replace").removeprefix("\ufeff")  # a BOM
         if _is_binary(raw[:4096], raw[:4096].decode("utf-8", errors="replace")):
             raise TrainguardError(
                 f"{p} is not a text log (binary data, or text that is not UTF-8): give a CSV, "
                 "TSV, JSONL or text log saved as UTF-8, or TensorBoard event files"
             )
-        named = (loss_column, step_column) != ("loss", "step")
-        fmt = chosen or formats.detect(p, head, generic_only=named)
+        fmt = chosen or formats.detect(p, head)
+        if (loss_column, step_column) != ("loss", "step") and fmt.name not in formats.GENERIC:
+            raise TrainguardError(
+                f"{p} reads as a {fmt.name} log: --column and --step-column name the columns "
+                "of a CSV or JSONL log; drop them"
+            )
         runs = fmt.read(p, options)
         for data in runs:
             data.format = fmt.name
@@ -298,6 +302,8 @@ def _chosen_run(p: Path, runs: list[LogData], run: str | None) -> list[LogData]:
         return runs
     kept = [r for r in runs if r.run == run]
     if not kept:
+        if len(runs) == 1 and runs[0].run is None:
+            raise TrainguardError(f"{p} holds one run: drop --run")
         shown = ", ".join(str(r.run) for r in runs[:MAX_NAMES_SHOWN])
         raise TrainguardError(f"{p}: no run '{run}' (the runs: {shown})")
     return kept
@@ -365,6 +371,19 @@ def _missing(p: Path, name: str, found: set[str] | list[str]) -> TrainguardError
         f"{p}: no '{name}' column (found: {', '.join(shown) or 'none'}); "
         "name the columns with --step-column and --column"
     )
+
+
+def with_evals(p: Path, data: LogData, step: str, evaluated: str | None) -> LogData:
+    """`data` with the evaluations of a CSV log's column `evaluated` (rows of other kinds
+    leave it empty) kept apart; as it was when there is no such column or it holds nothing."""
+    if evaluated is None:
+        return data
+    try:
+        evals = delimited(p, ",", {"step": step, "loss": evaluated}, other_rows=True)
+    except TrainguardError:  # a column with no value in any row
+        return data
+    data.evals = {"step": evals.steps, "loss": evals.loss}
+    return data
 
 
 def number(text: object) -> float | None:
@@ -521,7 +540,7 @@ def jsonl(
 ) -> LogData:
     """A JSONL log: the keys to read are chosen (`names_for`) from those of its first objects."""
     seen: set[str] = set()
-    with p.open(encoding="utf-8", errors="replace") as f:
+    with p.open(encoding="utf-8-sig", errors="replace") as f:
         for _, line in zip(range(PRESCAN_LINES), f, strict=False):
             record = json_object(line) if line.strip() else None
             if record is not None:
@@ -530,7 +549,7 @@ def jsonl(
     out = _Columns()
     cols: dict[str, array[float]] = {k: array("d") for k in names}
     number, line = 0, ""
-    with p.open(encoding="utf-8", errors="replace") as f:
+    with p.open(encoding="utf-8-sig", errors="replace") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue

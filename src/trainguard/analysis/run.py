@@ -46,6 +46,9 @@ def load_run(
     config: GuardConfig | None = None,
     log_format: str | None = None,
     run: str | None = None,
+    loss_column: str = "loss",
+    step_column: str = "step",
+    tag: str | None = None,
 ) -> RunRecord:
     """A run directory with metrics.jsonl (and events.jsonl, config.json), or any log that
     `read_log` reads (in `log_format`, or the one its content shows; the run named `run` of a
@@ -63,7 +66,7 @@ def load_run(
     from trainguard.analysis.logs import read_log
 
     cfg = config or GuardConfig(console=False)
-    data = read_log(p, format=log_format, run=run)
+    data = read_log(p, loss_column, step_column, tag, log_format, run)
     result = analyze(data, cfg)
     columns = {"loss": data.loss, **data.extra}
     return RunRecord(

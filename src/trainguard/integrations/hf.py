@@ -162,11 +162,8 @@ class TrainguardCallback(TrainerCallback):
     def _keep_schedule(self) -> None:
         """Keep the scheduler's state for the guard's next step (before the Trainer steps it),
         for as far back as a rollback can reach."""
-        if self.guard is None:
-            return
-        step = self.guard.global_step
-        oldest = min((s.step for s in self.guard.ring.snapshots), default=step)
-        self._schedules.keep(step, oldest)
+        if self.guard is not None:
+            self._schedules.keep_for(self.guard)
 
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

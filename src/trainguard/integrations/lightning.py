@@ -133,11 +133,8 @@ class TrainguardCallback(pl.Callback):
     def _keep_schedule(self) -> None:
         """Keep the schedulers' states for the guard's next step (before Lightning steps them),
         for as far back as a rollback can reach."""
-        if self.guard is None:
-            return
-        step = self.guard.global_step
-        oldest = min((s.step for s in self.guard.ring.snapshots), default=step)
-        self._schedules.keep(step, oldest)
+        if self.guard is not None:
+            self._schedules.keep_for(self.guard)
 
     def _make_up(self, trainer: pl.Trainer) -> None:
         """Raise the fit's step limit by the steps lost, where the fit is bounded by max_steps

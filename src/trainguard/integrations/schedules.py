@@ -4,7 +4,10 @@ rollback can reach, so a rollback puts the schedule back with the weights."""
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainguard.guard import Guard
 
 
 class ScheduleHistory:
@@ -23,6 +26,11 @@ class ScheduleHistory:
         self._states[step] = [copy.deepcopy(s.state_dict()) for s in self.schedulers]
         for kept in [k for k in self._states if k < oldest or k > step]:
             del self._states[kept]
+
+    def keep_for(self, guard: Guard) -> None:
+        """Keep the states for the guard's next step, back to its oldest snapshot."""
+        step = guard.global_step
+        self.keep(step, min((s.step for s in guard.ring.snapshots), default=step))
 
     def restore(self, step: int) -> bool:
         """Put the schedulers back to where they stood before guard step `step`; False when

@@ -88,12 +88,10 @@ def by_name(name: str) -> LogFormat:
 GENERIC = ("csv", "jsonl")  # the formats whose columns the user may name
 
 
-def detect(path: Path, head: str, generic_only: bool = False) -> LogFormat:
-    """The format that scores `head` (the file's first bytes) highest (with `generic_only`,
-    among CSV and JSONL: the user named columns); a one-line error that lists the formats when
-    none does."""
-    known = [f for f in formats() if not generic_only or f.name in GENERIC]
-    scored = [(f.sniff(path, head), i, f) for i, f in enumerate(known)]
+def detect(path: Path, head: str) -> LogFormat:
+    """The format that scores `head` (the file's first bytes) highest; a one-line error that
+    lists the formats when none does."""
+    scored = [(f.sniff(path, head), i, f) for i, f in enumerate(formats())]
     best = max(scored, key=lambda s: (s[0], -s[1]))
     if best[0] <= 0:
         raise TrainguardError(

@@ -3,6 +3,7 @@ columns are the ones named, else the first of the usual names the file has."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from trainguard.analysis.formats import LIKELY, SURE, LogFormat, ReadOptions
@@ -17,6 +18,7 @@ from trainguard.analysis.logs import (
 
 STEP_NAMES = ("step", "global_step", "iteration", "iter", "_step", "Step", "trainer/global_step")
 LOSS_NAMES = ("loss", "train_loss", "train/loss", "training_loss", "train_loss_step", "lm_loss")
+HEADER_CELL = re.compile(r"^[\w .,/\-\[\]()%#@+]+$")  # a column name, not a printed dict
 OPTIONAL_NAMES = {
     "grad_norm": ("grad_norm", "train/grad_norm", "gradient_norm", "grad-norm", "norm"),
     "lr": ("lr", "learning_rate", "train/learning_rate", "train/lr", "lr-AdamW", "lr-Adam"),
@@ -45,9 +47,12 @@ def _sniff_csv(path: Path, head: str) -> int:
         return LIKELY
     if delimiter_of(path, first) is None:
         return 0
-    columns = set(header_of(first, delimiter_of(path, first) or ","))
+    columns = header_of(first, delimiter_of(path, first) or ",")
     usual = any(n in columns for n in STEP_NAMES) and any(n in columns for n in LOSS_NAMES)
-    return LIKELY if usual else 1
+    if usual:
+        return LIKELY
+    names = len(columns) > 1 and all(HEADER_CELL.match(c) for c in columns)
+    return 1 if names else 0  # a header of other names (--column names them)
 
 
 def _read_csv(path: Path, options: ReadOptions) -> list[LogData]:
@@ -64,7 +69,7 @@ def _sniff_jsonl(path: Path, head: str) -> int:
     first = next((line for line in head.splitlines() if line.strip()), "")
     if json_object(first) is not None:
         return LIKELY
-    return 1 if first.lstrip().startswith("{") or path.suffix.lower() == ".json" else 0
+    return 1 if path.suffix.lower() == ".json" else 0
 
 
 def _read_jsonl(path: Path, options: ReadOptions) -> list[LogData]:

@@ -23,7 +23,7 @@ def _sniff(path: Path, head: str) -> int:
 
 def _read(path: Path, options: ReadOptions) -> list[LogData]:
     try:
-        with path.open(encoding="utf-8") as f:
+        with path.open(encoding="utf-8-sig") as f:
             state = json.load(f)
     except (ValueError, RecursionError) as exc:
         raise TrainguardError(

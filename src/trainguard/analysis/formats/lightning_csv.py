@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from trainguard.analysis.formats import LIKELY, LogFormat, ReadOptions
-from trainguard.analysis.logs import LogData, delimited, header_of
+from trainguard.analysis.logs import LogData, delimited, header_of, with_evals
 from trainguard.events import TrainguardError
 
 TRAIN = ("train_loss_step", "train_loss", "train/loss", "loss_step", "loss", "training_loss")
@@ -44,21 +46,27 @@ def _read(path: Path, options: ReadOptions) -> list[LogData]:
     loss = first_of(columns, TRAIN, "train", "loss") or first_of(columns, TOTAL, "loss")
     if loss is None:
         raise TrainguardError(f"{path}: no loss column among {', '.join(columns)}")
-    names = {"step": "step", "loss": loss}
+    data = delimited(path, ",", {"step": "step", "loss": loss}, other_rows=True)
     lr = next((c for c in columns if c == "lr" or c.startswith("lr-")), None)
     norm = next((c for c in columns if "grad" in c and "norm" in c), None)
     for key, name in (("lr", lr), ("grad_norm", norm)):
         if name is not None:
-            names[key] = name
-    data = delimited(path, ",", names, other_rows=True)
+            _align(path, data, key, name)
     evaluated = first_of(columns, EVAL, "val", "loss")
-    if evaluated is not None and evaluated != loss:
-        try:
-            evals = delimited(path, ",", {"step": "step", "loss": evaluated}, other_rows=True)
-        except TrainguardError:  # a column with no value in any row
-            return [data]
-        data.evals = {"step": evals.steps, "loss": evals.loss}
-    return [data]
+    return [with_evals(path, data, "step", evaluated if evaluated != loss else None)]
+
+
+def _align(path: Path, data: LogData, key: str, column: str) -> None:
+    """A metric logged on rows of its own (LearningRateMonitor writes `lr-AdamW` apart from the
+    loss) as a column of the training steps: the last value at or before each step."""
+    try:
+        logged = delimited(path, ",", {"step": "step", "loss": column}, other_rows=True)
+    except TrainguardError:  # no value in any row
+        return
+    at = np.searchsorted(logged.steps, data.steps, side="right") - 1
+    values = np.where(at >= 0, logged.loss[np.clip(at, 0, None)], np.nan)
+    if not np.isnan(values).all():
+        data.extra[key] = values
 
 
 FORMAT = LogFormat(

@@ -37,7 +37,8 @@ class ParsedLines:
         for key in ("step", "loss", *FIELDS):
             value = step if key == "step" else value_of(row.get(key))
             if again:
-                self.rows[key][-1] = value
+                if key not in FIELDS or key in row:  # a field the redraw lacks is kept
+                    self.rows[key][-1] = value
             else:
                 self.rows[key].append(value)
 
@@ -121,7 +122,7 @@ class LineFormat:
 
     def read(self, path: Path, options: ReadOptions) -> list[LogData]:
         try:
-            with path.open(encoding="utf-8", errors="replace", newline="") as f:
+            with path.open(encoding="utf-8-sig", errors="replace", newline="") as f:
                 parsed = self.parse_lines(f)
         except OSError as exc:
             raise TrainguardError(

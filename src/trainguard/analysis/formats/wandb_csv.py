@@ -8,7 +8,7 @@ from pathlib import Path
 
 from trainguard.analysis.formats import LIKELY, LogFormat, ReadOptions
 from trainguard.analysis.formats.lightning_csv import first_of
-from trainguard.analysis.logs import LogData, delimited, header_of
+from trainguard.analysis.logs import LogData, delimited, header_of, with_evals
 from trainguard.events import TrainguardError
 
 STEPS = ("train/global_step", "trainer/global_step", "global_step", "_step")
@@ -68,13 +68,7 @@ def _read(path: Path, options: ReadOptions) -> list[LogData]:
             names[key] = found
     data = delimited(path, ",", names, other_rows=True)
     evaluated = first_of(columns, EVAL, "eval", "loss") or first_of(columns, (), "val", "loss")
-    if evaluated is not None and evaluated != loss:
-        try:
-            evals = delimited(path, ",", {"step": step, "loss": evaluated}, other_rows=True)
-        except TrainguardError:
-            return [data]
-        data.evals = {"step": evals.steps, "loss": evals.loss}
-    return [data]
+    return [with_evals(path, data, step, evaluated if evaluated != loss else None)]
 
 
 FORMAT = LogFormat(
