@@ -392,7 +392,9 @@ def trace_nonfinite(model: nn.Module, fn: Callable[[], torch.Tensor]) -> NonFini
         handles.append(module.register_full_backward_hook(_pop(state, name, module)))
     try:
         with _Watch(state):
-            loss = fn()
+            with warnings.catch_warnings():  # the watch's hooks on modules returning dicts
+                warnings.filterwarnings("ignore", message="For backward hooks to be called")
+                loss = fn()
             state.stack.clear()
             state.direction = "backward"
             if isinstance(loss, torch.Tensor) and loss.requires_grad:
