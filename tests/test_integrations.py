@@ -160,10 +160,13 @@ def lightning_module(faults: Faults):
     return Module()
 
 
-def lightning_fit(module, tmp_path, steps: int, callback, ckpt_path=None):
+def lightning_fit(
+    module, tmp_path, steps: int, callback, ckpt_path=None, extra=(), batches=None, clip=1.0
+):
+    """A fit of `steps` steps over `batches` batches of data (default: `steps`)."""
     import lightning.pytorch as pl
 
-    data = torch.stack([s["input_ids"] for s in samples(steps * 8)])
+    data = torch.stack([s["input_ids"] for s in samples((batches or steps) * 8)])
     loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)
     trainer = pl.Trainer(
         max_steps=steps,
@@ -172,9 +175,9 @@ def lightning_fit(module, tmp_path, steps: int, callback, ckpt_path=None):
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        gradient_clip_val=1.0,
+        gradient_clip_val=clip,
         default_root_dir=str(tmp_path),
-        callbacks=[callback],
+        callbacks=[*extra, callback],
     )
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     return trainer
@@ -363,19 +366,9 @@ def test_a_lightning_fit_makes_up_the_steps_a_rollback_undid_with_its_schedule_p
 
     config = tg.GuardConfig.from_dict({"console": False, "recovery": {"snapshot_every": 10}})
     callback = TrainguardCallback(config)
-    module = Module()
-    data = torch.stack([s["input_ids"] for s in samples(100 * 8)])
-    trainer = pl.Trainer(
-        max_steps=70,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-        callbacks=[callback, Corrupt()],
+    trainer = lightning_fit(
+        Module(), tmp_path, 70, callback, extra=[Corrupt()], batches=100, clip=None
     )
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
     found = events(tmp_path / "trainguard" / "events.jsonl")
     (rollback,) = [e for e in found if e["kind"] == "rollback"]
     lost = rollback["metrics"]["lost_batches"]
@@ -560,18 +553,7 @@ def test_the_lightning_callback_traces_a_nan_to_the_module_that_made_it(tmp_path
     module = lightning_module(lambda module, args, kwargs, output: output)  # no other fault
     module.model.transformer.h[1].mlp.register_forward_hook(poison)
     callback = TrainguardCallback(tg.GuardConfig(console=False))
-    data = torch.stack([s["input_ids"] for s in samples(70 * 8)])
-    trainer = pl.Trainer(
-        max_steps=70,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-        callbacks=[During(), callback],
-    )
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    lightning_fit(module, tmp_path, 70, callback, extra=[During()], clip=None)
     (origin,) = nan_origins(tmp_path)
     assert origin["step"] == 30 and origin["severity"] == "critical"
     assert "transformer.h.1.mlp" in origin["message"]
