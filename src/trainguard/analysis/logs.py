@@ -158,20 +158,13 @@ def columns_of(
     huge = 0
     if only_evals:
         out.add({"step": eval_steps, "loss": eval_loss})
-    else:
-        block = {k: np.asarray(v, dtype=np.float64) for k, v in rows.items() if len(v)}
-        if "step" in block:
-            fits = np.abs(block["step"]) < MAX_STEP
-            huge = int((~fits).sum())
-            out.add(
-                {
-                    k: v[fits]
-                    for k, v in block.items()
-                    if k == "step" or k == "loss" or not np.isnan(v).all()
-                }
-            )
+    elif len(rows.get("step", ())):
+        block = {k: np.asarray(v, dtype=np.float64) for k, v in rows.items()}
+        fits = np.abs(block["step"]) < MAX_STEP
+        huge = int((~fits).sum())
+        out.add({k: v[fits] for k, v in block.items()})  # finish drops all-NaN columns
     data = out.finish(p)
-    if not only_evals and huge:
+    if huge:
         data.warnings.append(f"passed over {huge} row(s) whose step does not fit 64 bits")
     if only_evals:
         data.warnings.insert(0, "the log has no training loss: judging its evaluation loss")
@@ -231,9 +224,7 @@ def read_runs(
     p = Path(path)
     options = formats.ReadOptions(loss_column, step_column, tag)
     tb_tag = tag or (loss_column if loss_column != "loss" else None)
-    chosen = (
-        None if format is None else formats.by_name(format) if format != "tensorboard" else None
-    )
+    chosen = formats.by_name(format) if format not in (None, "tensorboard") else None
     if p.is_dir():
         found = next(
             (
@@ -246,7 +237,7 @@ def read_runs(
         if found is not None and format != "tensorboard":
             p = found
         elif any(p.rglob("events.out.tfevents.*")):
-            return _named(_tensorboard(p, tb_tag), "tensorboard", run)
+            return _tensorboard_runs(p, tb_tag, run)
         else:
             raise TrainguardError(
                 f"{p} is a directory without metrics.jsonl, trainer_state.json, metrics.csv or "
@@ -262,7 +253,7 @@ def read_runs(
         if p.stat().st_size == 0:
             raise TrainguardError(f"{p} is empty: there is nothing to analyse")
         if format == "tensorboard" or p.name.startswith("events.out.tfevents"):
-            return _named(_tensorboard(p, tb_tag), "tensorboard", run)
+            return _tensorboard_runs(p, tb_tag, run)
         with p.open("rb") as f:
             raw = f.read(SNIFF_BYTES)
         head = raw.decode("utf-8", errors="replace").removeprefix("\ufeff")  # a BOM
@@ -291,9 +282,10 @@ def read_runs(
         ) from None
 
 
-def _named(data: LogData, name: str, run: str | None) -> list[LogData]:
-    data.format = name
-    return _chosen_run(Path(name), [data], run)
+def _tensorboard_runs(p: Path, tag: str | None, run: str | None) -> list[LogData]:
+    data = _tensorboard(p, tag)
+    data.format = "tensorboard"
+    return _chosen_run(p, [data], run)
 
 
 def _chosen_run(p: Path, runs: list[LogData], run: str | None) -> list[LogData]:
@@ -316,6 +308,12 @@ def delimiter_of(p: Path, first: str) -> str | None:
     if p.suffix.lower() == ".csv" or "," in first:
         return ","
     return None
+
+
+def header_line(p: Path) -> str:
+    """A file's first line, without its byte order mark and line end."""
+    with p.open("rb") as f:
+        return f.readline().decode("utf-8-sig", errors="replace").rstrip("\r\n")
 
 
 def header_of(first: str, delimiter: str, p: Path | None = None) -> list[str]:
@@ -502,19 +500,19 @@ def _slow_block(
     cols: dict[str, array[float]] = {k: array("d") for k in where}
     reader = csv.reader(lines, delimiter=delimiter)
     while True:
-        number = first_line + reader.line_num  # where the next row starts
+        lineno = first_line + reader.line_num  # where the next row starts
         try:
             row = next(reader)
         except StopIteration:
             break
         except csv.Error:  # a stray carriage return, or whatever else csv refuses
-            out.skip(number)
+            out.skip(lineno)
             continue
         if not row or not any(cell.strip() for cell in row):
             continue
         cells = {k: (row[i] if i < len(row) else None) for k, i in where.items()}
         if not _keep(cells, cols) and not (out.other_rows and not (cells["loss"] or "").strip()):
-            out.skip(number)
+            out.skip(lineno)
     return {
         k: np.frombuffer(v, dtype=np.float64) if len(v) else np.empty(0) for k, v in cols.items()
     }
@@ -548,22 +546,22 @@ def jsonl(
     names = names_for(seen, options)
     out = _Columns()
     cols: dict[str, array[float]] = {k: array("d") for k in names}
-    number, line = 0, ""
+    lineno, line = 0, ""
     with p.open(encoding="utf-8-sig", errors="replace") as f:
-        for number, line in enumerate(f, 1):
+        for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             record = json_object(line)
             if record is None:
-                out.skip(number)
+                out.skip(lineno)
                 continue
             if len(seen) < 64:
                 seen.update(record)
             cells = {key: record.get(name) for key, name in names.items()}
             if not _keep(cells, cols):
-                out.skip(number)
+                out.skip(lineno)
     if line and not line.endswith("\n"):
-        out.unfinished = number
+        out.unfinished = lineno
     for key in ("step", "loss"):
         if names[key] not in seen:
             raise _missing(p, names[key], seen)

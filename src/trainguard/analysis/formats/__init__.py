@@ -1,6 +1,6 @@
 """The log formats `read_log` knows, one module each: found by content, or named with
 `--format`. A format says how sure it is that a file is its own (`sniff`) and reads it into
-`LogData` runs (`read`); adding one is a module and a line in `FORMATS`."""
+`LogData` runs (`read`); adding one is a module and a line in `formats()`."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from trainguard.analysis.logs import (
     LogData,
     delimited,
     delimiter_of,
+    header_line,
     header_of,
     json_object,
     jsonl,
@@ -41,13 +42,32 @@ def names_for(columns: list[str] | set[str], options: ReadOptions) -> dict[str, 
     return chosen
 
 
+def comma_header(text: str) -> list[str]:
+    """The column names of a text's first line, where it is comma-separated; none otherwise."""
+    first = text.splitlines()[0] if text else ""
+    return header_of(first, ",") if "," in first else []
+
+
+def first_of(columns: list[str], usual: tuple[str, ...], *words: str) -> str | None:
+    """The first usual name the columns have, else the first column with every word (and not
+    an epoch mean)."""
+    found = next((n for n in usual if n in columns), None)
+    if found is not None:
+        return found
+    return next(
+        (c for c in columns if all(w in c.lower() for w in words) and "epoch" not in c.lower()),
+        None,
+    )
+
+
 def _sniff_csv(path: Path, head: str) -> int:
     first = head.splitlines()[0] if head else ""
     if path.suffix.lower() in (".csv", ".tsv"):
         return LIKELY
-    if delimiter_of(path, first) is None:
+    delimiter = delimiter_of(path, first)
+    if delimiter is None:
         return 0
-    columns = header_of(first, delimiter_of(path, first) or ",")
+    columns = header_of(first, delimiter)
     usual = any(n in columns for n in STEP_NAMES) and any(n in columns for n in LOSS_NAMES)
     if usual:
         return LIKELY
@@ -56,8 +76,7 @@ def _sniff_csv(path: Path, head: str) -> int:
 
 
 def _read_csv(path: Path, options: ReadOptions) -> list[LogData]:
-    with path.open("rb") as f:
-        first = f.readline().decode("utf-8-sig", errors="replace").rstrip("\r\n")
+    first = header_line(path)
     delimiter = delimiter_of(path, first) or ","
     names = names_for(header_of(first, delimiter, path), options)
     return [delimited(path, delimiter, names)]

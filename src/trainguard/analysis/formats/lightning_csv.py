@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from trainguard.analysis.formats import LIKELY, LogFormat, ReadOptions
-from trainguard.analysis.logs import LogData, delimited, header_of, with_evals
+from trainguard.analysis.formats.generic import comma_header, first_of
+from trainguard.analysis.logs import LogData, delimited, header_line, with_evals
 from trainguard.events import TrainguardError
 
 TRAIN = ("train_loss_step", "train_loss", "train/loss", "loss_step", "loss", "training_loss")
@@ -16,33 +17,15 @@ TOTAL = ("total_loss", "mean_loss", "loss_total")  # a sum or mean of several lo
 EVAL = ("val_loss", "val_loss_epoch", "valid_loss", "val/loss", "validation_loss", "eval_loss")
 
 
-def _columns(head: str) -> list[str]:
-    first = head.splitlines()[0] if head else ""
-    return header_of(first, ",") if "," in first else []
-
-
-def first_of(columns: list[str], usual: tuple[str, ...], *words: str) -> str | None:
-    """The first usual name the columns have, else the first column with every word (and not
-    an epoch mean)."""
-    found = next((n for n in usual if n in columns), None)
-    if found is not None:
-        return found
-    return next(
-        (c for c in columns if all(w in c.lower() for w in words) and "epoch" not in c.lower()),
-        None,
-    )
-
-
 def _sniff(path: Path, head: str) -> int:
-    columns = _columns(head)
+    columns = comma_header(head)
     if "epoch" in columns and "step" in columns and any("loss" in c for c in columns):
         return LIKELY + 10
     return 0
 
 
 def _read(path: Path, options: ReadOptions) -> list[LogData]:
-    with path.open("rb") as f:
-        columns = _columns(f.readline().decode("utf-8-sig", errors="replace"))
+    columns = comma_header(header_line(path))
     loss = first_of(columns, TRAIN, "train", "loss") or first_of(columns, TOTAL, "loss")
     if loss is None:
         raise TrainguardError(f"{path}: no loss column among {', '.join(columns)}")

@@ -4,7 +4,7 @@ its training lines and its evaluation lines."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,7 +72,7 @@ class LineFormat:
     def sniff(self, path: Path, head: str) -> int:
         """How many lines of `head` are this format's (at most MOST_SURE)."""
         count = 0
-        for line in _split(head.splitlines()):
+        for line in head.splitlines():  # at \r too: a progress bar's redraws
             if len(line) > MAX_LINE:
                 continue
             clean = ANSI.sub("", line) if "\x1b" in line else line
@@ -83,25 +83,21 @@ class LineFormat:
         return count
 
     def parse_lines(self, lines: Iterable[str]) -> ParsedLines:
+        """The rows of `lines` (as a file opened with newline="" yields them: split at \r too,
+        ends kept)."""
         out = ParsedLines()
-        for line in _split(lines):
-            if len(line) > MAX_LINE:
+        for line in lines:
+            line = line.rstrip("\r\n")
+            if not line.strip() or len(line) > MAX_LINE:
                 continue
             if "\x1b" in line:
                 line = ANSI.sub("", line)
             row = self._train_row(line)
             if row is not None:
                 out.add(row)
-            for pattern in self.evals:  # a line may hold both (a progress bar's)
-                match = pattern.search(line)
-                if match is not None:
-                    found = {k: v for k, v in match.groupdict().items() if v is not None}
-                    step = self.fields.get("step")
-                    hit = step.search(line) if step is not None and "step" not in found else None
-                    if hit is not None:
-                        found["step"] = hit["step"]
-                    out.add_eval(found)
-                    break
+            evaluated = self._eval_row(line)  # a line may hold both (a progress bar's)
+            if evaluated is not None:
+                out.add_eval(evaluated)
         return out
 
     def _train_row(self, line: str) -> Row | None:
@@ -118,6 +114,19 @@ class LineFormat:
             if self.adjust is not None:
                 row = self.adjust(row, line)
             return row if row is not None and "step" in row and "loss" in row else None
+        return None
+
+    def _eval_row(self, line: str) -> Row | None:
+        for pattern in self.evals:
+            match = pattern.search(line)
+            if match is None:
+                continue
+            row = {k: v for k, v in match.groupdict().items() if v is not None}
+            step = self.fields.get("step")
+            hit = step.search(line) if step is not None and "step" not in row else None
+            if hit is not None:
+                row["step"] = hit["step"]
+            return row
         return None
 
     def read(self, path: Path, options: ReadOptions) -> list[LogData]:
@@ -144,15 +153,6 @@ def value_of(text: str | None) -> float:
     if text is None:
         return float("nan")
     return float(text.lower().replace("infinity", "inf"))
-
-
-def _split(lines: Iterable[str]) -> Iterator[str]:
-    """Lines split also at the carriage returns a progress bar redraws with."""
-    for line in lines:
-        if "\r" in line:
-            yield from (part for part in line.split("\r") if part.strip())
-        else:
-            yield line
 
 
 def pattern(text: str, flags: int = 0) -> re.Pattern[str]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainguard.analysis.formats import LIKELY, LogFormat, ReadOptions
-from trainguard.analysis.formats.lightning_csv import first_of
-from trainguard.analysis.logs import LogData, delimited, header_of, with_evals
+from trainguard.analysis.formats.generic import comma_header, first_of
+from trainguard.analysis.logs import LogData, delimited, header_line, with_evals
 from trainguard.events import TrainguardError
 
 STEPS = ("train/global_step", "trainer/global_step", "global_step", "_step")
@@ -17,11 +17,6 @@ EVAL = ("eval/loss", "val/loss", "val_loss", "eval_loss", "validation/loss", "lo
 LR = ("train/learning_rate", "train/lr", "learning_rate", "lr")
 NORM = ("train/grad_norm", "grad_norm", "train/gradient_norm")
 SEPARATOR = " - "  # a panel export's "<run> - <metric>"
-
-
-def _columns(head: str) -> list[str]:
-    first = head.splitlines()[0] if head else ""
-    return header_of(first, ",") if "," in first else []
 
 
 def _panel_runs(columns: list[str]) -> dict[str, str]:
@@ -39,7 +34,7 @@ def _panel_runs(columns: list[str]) -> dict[str, str]:
 
 
 def _sniff(path: Path, head: str) -> int:
-    columns = _columns(head)
+    columns = comma_header(head)
     if "_step" in columns and ("_runtime" in columns or "_timestamp" in columns):
         return LIKELY + 20
     if "Step" in columns and _panel_runs(columns):
@@ -48,8 +43,7 @@ def _sniff(path: Path, head: str) -> int:
 
 
 def _read(path: Path, options: ReadOptions) -> list[LogData]:
-    with path.open("rb") as f:
-        columns = _columns(f.readline().decode("utf-8-sig", errors="replace"))
+    columns = comma_header(header_line(path))
     if "Step" in columns and "_step" not in columns:
         runs = []
         for run, column in _panel_runs(columns).items():
