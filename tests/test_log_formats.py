@@ -317,3 +317,17 @@ def test_json_names_the_format_and_report_takes_the_column_flags(tmp_path):
     page = tmp_path / "r.html"
     made = cli("report", str(odd), "--column", "nll", "--step-column", "it", "-o", str(page))
     assert made.returncode == 0 and page.stat().st_size > 0
+
+
+def test_a_megatron_field_that_is_no_number_is_passed_over_not_a_traceback(tmp_path):
+    log = tmp_path / "megatron.log"
+    log.write_text(
+        " iteration 10/ 500000 | learning rate: 1.5E-05 | lm loss: n/a | grad norm: 1.0 |\n"
+        " iteration 20/ 500000 | learning rate: 1.5E-05 | lm loss: 9.8E+00 | grad norm: -- |\n"
+        " iteration 30/ 500000 | learning rate: 1.5E-05 | lm loss: 9.6E+00 | grad norm: 2.0 |\n"
+    )
+    data = read_log(log)
+    assert list(data.steps) == [20, 30] and list(data.loss) == [9.8, 9.6]
+    assert np.isnan(data.extra["grad_norm"][0]) and data.extra["grad_norm"][1] == 2.0
+    out = cli("analyze", str(log))
+    assert out.returncode == 0 and "Traceback" not in out.stderr

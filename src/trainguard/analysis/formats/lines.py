@@ -13,6 +13,7 @@ from trainguard.analysis.logs import LogData, columns_of
 from trainguard.events import TrainguardError
 
 NUMBER = r"[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|NaN|NAN|inf|Inf|INF|infinity)"
+NUMERIC = re.compile(NUMBER)  # a value `adjust` took from free text must be a number
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # colour codes (torchtitan, rich, loguru)
 FIELDS = ("grad_norm", "lr", "loss_scale")
 MAX_LINE = 1 << 16  # a longer line is no trainer's log line (a data dump): passed over
@@ -113,7 +114,10 @@ class LineFormat:
                     row[key] = hit[key]
             if self.adjust is not None:
                 row = self.adjust(row, line)
-            return row if row is not None and "step" in row and "loss" in row else None
+            if row is None:
+                return None
+            row = {k: v for k, v in row.items() if NUMERIC.fullmatch(v.strip())}  # "n/a", "--"
+            return row if "step" in row and "loss" in row else None
         return None
 
     def _eval_row(self, line: str) -> Row | None:
@@ -152,7 +156,7 @@ def value_of(text: str | None) -> float:
     """A printed number as a float (NaN where none was printed)."""
     if text is None:
         return float("nan")
-    return float(text.lower().replace("infinity", "inf"))
+    return float(text.strip().lower().replace("infinity", "inf"))
 
 
 def pattern(text: str, flags: int = 0) -> re.Pattern[str]:
