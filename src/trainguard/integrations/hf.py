@@ -99,7 +99,7 @@ class TrainguardCallback(TrainerCallback):
         behind = state.global_step - last if counts and isinstance(last, int) else 0
         self.lost_steps = max(0, behind)
         self._schedules = ScheduleHistory([] if self._scheduler is None else [self._scheduler])
-        self._keep_schedule()
+        self._schedules.keep(self.guard)
         callback = self
 
         def guarded_step(*step_args: Any, **step_kwargs: Any) -> None:
@@ -118,10 +118,8 @@ class TrainguardCallback(TrainerCallback):
         if not module.training or self._replaying:
             return
         self._inputs.append((args, kwargs))
-        loss = getattr(output, "loss", None)
-        if loss is None and isinstance(output, dict):
-            loss = output.get("loss")
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        loss = _loss_of(output)
+        if loss is not None and loss.numel() == 1:
             self._losses.append(loss.detach())
 
     def _step(self) -> None:
@@ -142,11 +140,7 @@ class TrainguardCallback(TrainerCallback):
         except TrainingHalted as exc:
             self.halted = exc
             return
-        now = self.guard.global_step
-        if now != before + 1:  # rolled back (a skip counts as a step): the schedule goes back
-            self.lost_steps += before + 1 - now
-            self._schedules.restore(now)
-        self._keep_schedule()
+        self.lost_steps += self._schedules.follow(self.guard, before)
 
     def _replay(self, inputs: list[tuple[Any, dict[str, Any]]]) -> torch.Tensor:
         """This optimizer step's micro-batches run again (the guard traces a NaN's origin with
@@ -157,13 +151,9 @@ class TrainguardCallback(TrainerCallback):
             losses = [_loss_of(self._model(*args, **kwargs)) for args, kwargs in inputs]
         finally:
             self._replaying = False
-        return torch.stack(losses).mean()
-
-    def _keep_schedule(self) -> None:
-        """Keep the scheduler's state for the guard's next step (before the Trainer steps it),
-        for as far back as a rollback can reach."""
-        if self.guard is not None:
-            self._schedules.keep_for(self.guard)
+        if any(loss is None for loss in losses):
+            raise TrainguardError("the replayed forward returned no loss")
+        return torch.stack([loss for loss in losses if loss is not None]).mean()
 
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -183,11 +173,9 @@ class TrainguardCallback(TrainerCallback):
             self.guard.close()
 
 
-def _loss_of(output: Any) -> torch.Tensor:
-    """The loss a Hugging Face model's forward returned (given labels)."""
+def _loss_of(output: Any) -> torch.Tensor | None:
+    """The loss a Hugging Face model's forward returned (given labels); None without one."""
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, dict):
         loss = output.get("loss")
-    if not isinstance(loss, torch.Tensor):
-        raise TrainguardError("the replayed forward returned no loss")
-    return loss
+    return loss if isinstance(loss, torch.Tensor) else None

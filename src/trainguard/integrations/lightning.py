@@ -71,7 +71,7 @@ class TrainguardCallback(pl.Callback):
         self._schedules = ScheduleHistory(
             [c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"]
         )
-        self._keep_schedule()
+        self._schedules.keep(self.guard)
         # only data with a length is taken on past max_steps: a stream would start over
         sized = trainer.num_training_batches != float("inf")
         limited = trainer.max_steps is not None and trainer.max_steps > 0
@@ -123,18 +123,10 @@ class TrainguardCallback(pl.Callback):
             return out["loss"] if isinstance(out, dict) else out
 
         self.guard.step(loss, replay=replay if batch is not None else None)
-        now = self.guard.global_step
-        if now != before + 1:  # rolled back (a skip counts as a step)
-            self.lost_steps += before + 1 - now
-            self._schedules.restore(now)
+        lost = self._schedules.follow(self.guard, before)
+        if lost:
+            self.lost_steps += lost
             self._make_up(trainer)
-        self._keep_schedule()
-
-    def _keep_schedule(self) -> None:
-        """Keep the schedulers' states for the guard's next step (before Lightning steps them),
-        for as far back as a rollback can reach."""
-        if self.guard is not None:
-            self._schedules.keep_for(self.guard)
 
     def _make_up(self, trainer: pl.Trainer) -> None:
         """Raise the fit's step limit by the steps lost, where the fit is bounded by max_steps

@@ -18,19 +18,27 @@ class ScheduleHistory:
         self.schedulers = [s for s in schedulers if hasattr(s, "state_dict")]
         self._states: dict[int, list[dict[str, Any]]] = {}
 
-    def keep(self, step: int, oldest: int) -> None:
-        """Keep the states for guard step `step` (taken before the framework steps them into
-        it), and forget those before `oldest` or after `step` (undone by a rollback)."""
+    def keep(self, guard: Guard) -> None:
+        """Keep the states for the guard's next step (taken before the framework steps them
+        into it), and forget those before its oldest snapshot or after that step (undone by a
+        rollback)."""
         if not self.schedulers:
             return
+        step = guard.global_step
+        oldest = min((s.step for s in guard.ring.snapshots), default=step)
         self._states[step] = [copy.deepcopy(s.state_dict()) for s in self.schedulers]
         for kept in [k for k in self._states if k < oldest or k > step]:
             del self._states[kept]
 
-    def keep_for(self, guard: Guard) -> None:
-        """Keep the states for the guard's next step, back to its oldest snapshot."""
-        step = guard.global_step
-        self.keep(step, min((s.step for s in guard.ring.snapshots), default=step))
+    def follow(self, guard: Guard, before: int) -> int:
+        """After a guard step taken at step `before`: the steps a rollback undid (0 when it
+        stepped or skipped), with the schedulers put back to the step it restored; the states
+        for the next step kept."""
+        lost = before + 1 - guard.global_step
+        if lost:
+            self.restore(guard.global_step)
+        self.keep(guard)
+        return lost
 
     def restore(self, step: int) -> bool:
         """Put the schedulers back to where they stood before guard step `step`; False when
