@@ -32,6 +32,19 @@ MAX_REFRESH_S = 86_400.0
 LINT_KEYS = ("model", "optimizer", "scheduler", "scaler")
 SCAN_KEYS = ("model", "batches", "per_sample_loss_fn")
 FORMAT_NAMES = ", ".join(format_names())
+# the options of every command that reads a log
+LossColumn = Annotated[str, typer.Option("--column", help="The loss column of a CSV/JSONL log.")]
+StepColumn = Annotated[str, typer.Option(help="The step column of a CSV/JSONL log.")]
+TensorBoardTag = Annotated[str | None, typer.Option(help="The TensorBoard scalar of the loss.")]
+LogFormatName = Annotated[
+    str | None,
+    typer.Option(
+        "--format", help=f"The log's format (default: found from its content): {FORMAT_NAMES}."
+    ),
+]
+RunName = Annotated[
+    str | None, typer.Option(help="In a file of several runs (a W&B export), this one.")
+]
 
 
 @app.command()
@@ -66,15 +79,11 @@ def analyze(
     ],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     config: Annotated[Path | None, typer.Option(help="A YAML or TOML GuardConfig.")] = None,
-    column: Annotated[str, typer.Option(help="The loss column of a CSV/JSONL log.")] = "loss",
-    step_column: Annotated[str, typer.Option(help="The step column of a CSV/JSONL log.")] = "step",
-    tag: Annotated[str | None, typer.Option(help="The TensorBoard scalar of the loss.")] = None,
-    log_format: Annotated[
-        str | None, typer.Option("--format", help=f"The log's format: {FORMAT_NAMES}.")
-    ] = None,
-    run: Annotated[
-        str | None, typer.Option(help="In a file of several runs (a W&B export), judge this one.")
-    ] = None,
+    column: LossColumn = "loss",
+    step_column: StepColumn = "step",
+    tag: TensorBoardTag = None,
+    log_format: LogFormatName = None,
+    run: RunName = None,
 ) -> None:
     """Judge an existing training log with the guard's detectors: exit 0 when healthy, 1 when
     incidents at warning or above were found (a NaN/Inf loss is one, a log NaN from the start a
@@ -174,15 +183,11 @@ def report(
         Path | None, typer.Option(help="A GuardConfig to judge a bare log with.")
     ] = None,
     title: Annotated[str | None, typer.Option(help="The page title.")] = None,
-    log_format: Annotated[
-        str | None, typer.Option("--format", help=f"A bare log's format: {FORMAT_NAMES}.")
-    ] = None,
-    run: Annotated[
-        str | None, typer.Option(help="In a file of several runs (a W&B export), this one.")
-    ] = None,
-    column: Annotated[str, typer.Option(help="The loss column of a CSV/JSONL log.")] = "loss",
-    step_column: Annotated[str, typer.Option(help="The step column of a CSV/JSONL log.")] = "step",
-    tag: Annotated[str | None, typer.Option(help="The TensorBoard scalar of the loss.")] = None,
+    log_format: LogFormatName = None,
+    run: RunName = None,
+    column: LossColumn = "loss",
+    step_column: StepColumn = "step",
+    tag: TensorBoardTag = None,
 ) -> None:
     """Write one self-contained HTML report (plots, incident cards, lint, config) of a run or
     log; it opens offline in any browser."""
