@@ -70,15 +70,24 @@ def test_lr_blowup_rolls_back_and_recovers(clean, tmp_path):
 def test_region_of_toxic_batches_rolls_back_with_a_wide_skip(clean, tmp_path):
     out, events = run(tmp_path, FAULTS["20 toxic batches"])
     rollbacks = kinds(events, "rollback")
-    assert rollbacks
-    skipped = rollbacks[0]["metrics"]["skipped_batches"]
+    assert len(rollbacks) == 2, [(e["step"], e["kind"]) for e in events]
+    # a sudden jump is first undone with the data kept: its batches are fed again
+    assert rollbacks[0]["metrics"]["skipped_batches"] is None
+    assert "fed again" in rollbacks[0]["message"]
+    # they blow up again on the restored weights: the data, so the repeat skips the region
+    skipped = rollbacks[1]["metrics"]["skipped_batches"]
     assert skipped[0] <= 350 and skipped[1] >= 370  # the whole region is never trained on
+    assert rollbacks[1]["metrics"]["lr_factor"] < 1
     assert out.eval_loss == pytest.approx(clean[0].eval_loss, rel=0.02)
 
 
 def test_corrupted_weights_roll_back(clean, tmp_path):
+    """A write to the weights is undone with the LR and the data kept: the run goes on as the
+    clean one did."""
     out, events = run(tmp_path, FAULTS["corrupted weights"])
-    assert kinds(events, "rollback")
+    (rollback,) = kinds(events, "rollback")
+    assert rollback["metrics"]["lr_factor"] == 1.0
+    assert rollback["metrics"]["skipped_batches"] is None and not kinds(events, "data_skipped")
     assert all(p.isfinite().all() for p in out.model.parameters())
     assert out.eval_loss == pytest.approx(clean[0].eval_loss, rel=0.02)
 
@@ -215,11 +224,25 @@ def test_a_short_clean_run_is_left_alone(short_clean):
     assert not [e for e in found if e.kind in ("rollback", "data_skipped", "quarantine")]
 
 
-def test_a_short_run_rolls_back_an_lr_burst_and_skips_a_small_share_of_its_data(short_clean):
+def test_a_short_run_rolls_back_an_lr_burst_and_keeps_its_data(short_clean):
+    """A 5-step burst is undone once, the data fed again: nothing is skipped."""
     guard, found, held = short_run(Fault("LR x100 at 120", blowup=tuple(range(120, 125))))
+    (rollback,) = [e for e in found if e.kind == "rollback"]
+    assert rollback.metrics["to_step"] <= 120 and rollback.metrics["skipped_batches"] is None
+    assert not [e for e in found if e.kind == "data_skipped"]
+    assert guard.global_step == 300
+    assert held == pytest.approx(short_clean[2], rel=0.03)
+
+
+def test_a_short_run_skips_a_small_share_of_its_data_when_the_burst_goes_on(short_clean):
+    """A burst still going on after the first rollback is rolled back again, with the LR cut
+    and a skip sized to the 180 batches left: at most 4% (a repeat's widened share)."""
+    guard, found, held = short_run(Fault("LR x100 at 120", blowup=tuple(range(120, 130))))
     rollbacks = [e for e in found if e.kind == "rollback"]
-    assert rollbacks and rollbacks[0].metrics["to_step"] <= 120
+    assert len(rollbacks) == 2 and rollbacks[0].metrics["to_step"] <= 120
+    assert rollbacks[1].metrics["lr_factor"] < 1
     skipped = [e for e in found if e.kind == "data_skipped"]
-    assert skipped and sum(e.metrics["count"] for e in skipped) <= 1 + 0.02 * 180
-    assert guard.global_step >= 295  # the data held out to (nearly) the planned length
+    count = sum(e.metrics["count"] for e in skipped)
+    assert skipped and count <= 1 + 0.04 * 180
+    assert guard.global_step == 300 - count  # the data, 300 batches, ran out only by the skip
     assert held == pytest.approx(short_clean[2], rel=0.03)

@@ -112,6 +112,7 @@ class Decision:
     incident_step: int | None = None  # the step whose data fed the incident
     skip_after: int = 0  # batches skipped after the incident batch
     skip_widening: int = 1  # repeats in one region widen the skip and its share of the data
+    replay_incident: bool = False  # skip nothing: the incident's batches are fed again
     lr_factor: float | None = None  # multiply the LR by this
     rewarm_steps: int = 0  # steps over which that cut climbs back to the schedule; 0 keeps it
     suspect: bool = False  # this step's batch is skipped as toxic until its spike's follow-up

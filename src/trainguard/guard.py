@@ -602,7 +602,8 @@ class Guard:
 
     def _roll_back(self, decision: Decision) -> None:
         """Restore the snapshot the ring holds for the incident (never one inside it), and skip
-        the incident batch and a share of the data sized to what is left."""
+        the incident batch and a share of the data sized to what is left (nothing where the
+        policy replays the incident)."""
         assert self.model is not None and self.optimizer is not None and self.actions is not None
         assert decision.rollback_to is not None
         incident = decision.incident_step
@@ -628,15 +629,20 @@ class Guard:
         skip_event: Event | None = None
         if self._batches is not None and snapshot.data_position is not None:
             position = self._positions.get(incident) if incident is not None else None
-            if position is not None:
+            if position is not None and not decision.replay_incident:
                 skipped, skip_event = self._skip_after(decision, position)
             self._batches.rewind(snapshot.data_position, skipped)
         lost = None if self.rewinds_data else from_step + 1 - snapshot.step
-        note = (
-            f"; skipping batches {skipped[0]}..{skipped[1] - 1}"
-            if skipped
-            else "; no data to skip (iterate with guard.batches(loader) to skip it)"
-        )
+        if skipped:
+            note = f"; skipping batches {skipped[0]}..{skipped[1] - 1}"
+        elif decision.replay_incident and self.rewinds_data:
+            note = (
+                "; no batch skipped: the incident's batches are fed again on the restored "
+                "weights (a toxic one spikes again and is skipped then)"
+            )
+        else:
+            note = "; no data to skip (iterate with guard.batches(loader) to skip it)"
+
         if lost is not None:
             note += f"; the data goes on, so the {lost} batches since the state are lost"
         if snapshot.step > decision.rollback_to:

@@ -245,8 +245,9 @@ class StepPolicy:
     ) -> Decision | None:
         """Roll back to `margin` (default `rollback_margin`) steps before `incident`, or to the
         newest snapshot at or before it; None when no snapshot lies before it. A `sudden`
-        incident (a jump with no build-up) with no rollback before it in the window keeps the LR:
-        one bad step or write is undone, and only a repeat says the LR is too high."""
+        incident (a jump with no build-up) with no rollback before it in the window keeps the LR
+        and the data: one bad step or write is undone, and only a repeat says the LR is too high
+        or the data bad."""
         rec = self.recovery
         step = point.step
         if not has_target(incident):
@@ -280,7 +281,11 @@ class StepPolicy:
         decision.skip_widening = 2 ** min(self.region_repeats, MAX_WIDENING)
         decision.skip_after = base * decision.skip_widening
         if sudden and not recent:
-            decision.lr_factor = None  # the LR kept: nothing yet says it is too high
+            # one bad step or write: nothing yet says the LR is too high or the data bad, so the
+            # LR is kept and the batches are fed again; toxic data spikes again on the restored
+            # weights (skipped then), and a repeat here cuts the LR and skips a region
+            decision.lr_factor = None
+            decision.replay_incident = True
         else:
             decision.lr_factor = self._next_lr_factor()  # compounding: a repeat cuts further
         if not recent or continuing:  # the cut LR climbs back; a later repeat keeps its cut
