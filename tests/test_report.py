@@ -30,6 +30,34 @@ FLAGS = [
     "--disable-quic",
     "--no-first-run",
 ]
+LAYOUT_CHECK = """() => {
+  const found = [];
+  const root = document.documentElement;
+  if (root.scrollWidth > window.innerWidth) found.push(`page ${root.scrollWidth} wide`);
+  const cards = Array.from(document.querySelectorAll('.incident'));
+  const boxes = cards.map(c => c.getBoundingClientRect());
+  cards.forEach((card, i) => {
+    const box = boxes[i], step = card.dataset.step;
+    if (card.scrollWidth > card.clientWidth + 1) found.push(`card ${step} scrolls sideways`);
+    boxes.forEach((other, j) => {
+      if (j > i && box.left < other.right - 1 && other.left < box.right - 1
+          && box.top < other.bottom - 1 && other.top < box.bottom - 1)
+        found.push(`cards ${step} and ${cards[j].dataset.step} overlap`);
+    });
+    const walker = document.createTreeWalker(card, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+      const range = document.createRange();
+      range.selectNodeContents(node);
+      for (const r of range.getClientRects()) {
+        if (r.width && (r.left < box.left - 1 || r.right > box.right + 1)) {
+          found.push(`card ${step}: text outside: ${node.textContent.slice(0, 40)}`);
+          break;
+        }
+      }
+    }
+  });
+  return found;
+}"""
 HOSTILE = '<img src=x onerror="window.__xss=1"></script><script>window.__xss=2</script>'
 
 
@@ -80,6 +108,14 @@ class Page:
         inked = float(np.mean(pixels.astype(int).sum(axis=1) < 600))
         assert colours > 200 and inked > 0.03, (colours, inked)
 
+    def layout_problems(self) -> list[str]:
+        """Cards wider than their column, cards that overlap, text outside its card, and a page
+        wider than the window."""
+        return self.page.evaluate(LAYOUT_CHECK)
+
+    def figure(self, name: str = "curves") -> dict:
+        return self.page.evaluate(f"() => ({{data: fig_{name}.data, layout: fig_{name}.layout}})")
+
     def cards(self) -> dict[int, str]:
         cards = self.page.locator(".incident")
         return {
@@ -124,7 +160,14 @@ def test_a_guarded_run_with_a_nan_and_a_toxic_batch(browser, guarded_run, tmp_pa
     }
     assert set(cards) == incidents and {120, 150} <= incidents
     assert "blocks.0.mlp" in cards[120] and "aten.log" in cards[120] and "skip" in cards[120]
+    # the frames are the user's code (here the demo's, and this test's), not trainguard's own
+    assert "scenarios.py" in cards[120] and "guard.py" not in cards[120]
     assert "data toxicity" in cards[150] and "recovered" in cards[150]
+    assert page.layout_problems() == []
+    figure = page.figure()
+    (nan_mark,) = [t for t in figure["data"] if t.get("name") == "nonfinite"]
+    assert nan_mark["x"] == [120] and nan_mark["y"][0] is not None  # drawn where it happened
+    assert [s["x0"] for s in figure["layout"]["shapes"] if s.get("x0") == 120]  # and across
     assert page.page.locator("text=Set-up lint").count() == 1
     assert "max_grad_norm" in page.page.locator("pre").last.inner_text()
 
@@ -147,7 +190,8 @@ def hostile_run(run_dir: Path) -> None:
             }
         )
     metrics[250]["loss"] = "nan"
-    metrics.insert(260, {**metrics[259], "loss": 9.0})  # a step later abandoned by a rollback
+    # a step later abandoned by a rollback
+    metrics.insert(260, {**metrics[259], "loss": 9.0, "action": "rollback"})
     (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics) + "\n{cut")
     events = [
         {
@@ -253,3 +297,111 @@ def test_a_run_with_hundreds_of_incidents_shows_the_first_cards_and_says_how_man
     page = write_report(record, tmp_path / "r.html").read_text()
     assert page.count('class="incident"') == MAX_CARDS
     assert f"and {len(events) - MAX_CARDS} more incidents" in page
+
+
+def typed_run(run_dir: Path) -> None:
+    """A guarded run's files: a spike first typed data toxicity and revised as gradient
+    explosion, with a grad spike at its step, the step replayed after a rollback; a NaN loss at
+    step 200; a constant LR of 3e-3 and grad norms between 0.3 and 8."""
+    metrics = [
+        {
+            "step": step,
+            "loss": 2.0 + (3.0 if step == 100 else 0.0),
+            "grad_norm": 0.3 + 7.7 * (step % 7 == 0),
+            "lr": 3e-3,
+            "action": "step",
+        }
+        for step in range(300)
+    ]
+    metrics[200]["loss"] = "nan"
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics) + "\n")
+    spike = {
+        "step": 100,
+        "kind": "loss_spike",
+        "severity": "critical",
+        "type": "data_toxicity",
+        "message": "loss 5 jumped over its level 2",
+        "metrics": {"loss": 5.0},
+        "action": "skip",
+    }
+    grad = {
+        "step": 100,
+        "kind": "grad_spike",
+        "severity": "warning",
+        "message": "gradient norm 8 is 20x its median",
+        "metrics": {"grad_norm": 8.0},
+        "action": "skip",
+    }
+    revised = {
+        "step": 105,
+        "kind": "spike_classified",
+        "severity": "info",
+        "type": "gradient_explosion",
+        "message": "loss spike at step 100 revised from data toxicity as gradient explosion",
+        "metrics": {"spike_step": 100, "previous_type": "data_toxicity"},
+        "action": "rollback",
+    }
+    nan = {
+        "step": 200,
+        "kind": "nonfinite",
+        "severity": "critical",
+        "message": "the loss is nan",
+        "metrics": {},
+        "action": "skip",
+    }
+    events = [spike, grad, revised, spike, grad, revised, nan]  # the step trained twice
+    (run_dir / "events.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
+
+
+def test_markers_and_cards_follow_the_final_type_on_the_right_panel(browser, tmp_path):
+    typed_run(tmp_path)
+    out = report(str(tmp_path), "-o", str(tmp_path / "r.html"))
+    assert out.returncode == 0, out.stderr
+    page = Page(browser, tmp_path / "r.html")
+    assert page.layout_problems() == []
+    figure = page.figure()
+    traces = {t.get("name"): t for t in figure["data"]}
+    assert traces["gradient explosion"]["x"] == [100] and "data toxicity" not in traces
+    assert traces["grad spike"]["yaxis"] == "y2" and traces["grad spike"]["y"] == [8.0]
+    assert traces["nonfinite"]["x"] == [200] and traces["nonfinite"]["y"] == [2.0]
+    low, high = figure["layout"]["yaxis3"]["range"]  # the constant LR, inside its axis
+    assert low < 3e-3 < high and high - low < 1e-2
+    ticks = page.page.locator("#curves g.y2tick text").all_text_contents()
+    assert "0.5" in ticks and len(ticks) == len(set(ticks))  # 0.5 written out, not "5"
+    cards = page.page.locator(".incident")
+    assert cards.count() == 2  # one card a step: the loss and grad spike, twice trained
+    first = cards.nth(0)
+    assert "gradient explosion" in first.inner_text() and "#ff7f0e" in (
+        first.get_attribute("style") or ""
+    )
+    assert "2 times" in first.inner_text() and "grad spike" in first.inner_text()
+    assert first.inner_text().count("revised from data toxicity") == 1
+
+
+def test_a_native_log_report_draws_its_evaluations_and_says_what_it_cannot_show(browser, tmp_path):
+    log = (
+        Path(__file__).parent
+        / "data/native_logs/llmc/llmc_main_log_gpt2_124M_modded_nanogpt_record.log"
+    )
+    out = report(str(log), "-o", str(tmp_path / "r.html"))
+    assert out.returncode == 0, out.stderr
+    page = Page(browser, tmp_path / "r.html")
+    figure = page.figure()
+    (evals,) = [t for t in figure["data"] if t.get("name") == "eval loss"]
+    assert len(evals["x"]) == 3
+    assert not [a for a in figure["layout"].get("annotations", []) if "clip" in a["text"]]
+    text = page.page.locator("body").inner_text()
+    assert "Not run: a log holds no model" in text and "judged this log with" in text
+
+
+def test_an_incident_outcome_in_a_sparse_log_is_read_at_the_logged_steps(tmp_path):
+    from trainguard.analysis.run import RunRecord
+    from trainguard.sinks.html_report import write_report
+
+    steps = np.arange(0, 10_000, 100)
+    loss = np.full(len(steps), 2.0)
+    loss[10] = 9.0
+    events = [{"step": 1000, "kind": "loss_spike", "severity": "warning", "message": "spike"}]
+    record = RunRecord(tmp_path, steps, {"loss": loss}, events=events, judged=True)
+    page = write_report(record, tmp_path / "r.html").read_text()
+    assert "recovered: loss 2 from step 1100 on against 2 before" in page

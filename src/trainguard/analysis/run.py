@@ -39,6 +39,16 @@ class RunRecord:
     warnings: list[str] = field(default_factory=list)
     judged: bool = False  # events come from `analyze`, not from a live guard
     action_counts: dict[str, int] = field(default_factory=dict)  # over every record, replays too
+    evals: dict[str, tuple[np.ndarray, np.ndarray]] = field(
+        default_factory=dict
+    )  # name: steps, values
+
+    @property
+    def abandoned_label(self) -> str:
+        """What the abandoned rows were: steps a rollback undid, or rows a restart replaced."""
+        if self.action_counts.get("rollback"):
+            return "abandoned by a rollback"
+        return "replaced on a restart"
 
 
 def load_run(
@@ -69,6 +79,9 @@ def load_run(
     data = read_log(p, loss_column, step_column, tag, log_format, run)
     result = analyze(data, cfg)
     columns = {"loss": data.loss, **data.extra}
+    evals = {}
+    if len(data.evals.get("step", ())):
+        evals["eval loss"] = (data.evals["step"], data.evals["loss"])
     return RunRecord(
         source=p,
         steps=data.steps,
@@ -78,6 +91,7 @@ def load_run(
         config=cfg.model_dump(mode="json"),
         warnings=list(data.warnings),
         judged=True,
+        evals=evals,
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import sysconfig
 import traceback
 import warnings
 import weakref
@@ -508,13 +509,39 @@ def _unexpected_nonfinite(tensor: torch.Tensor) -> bool:
     return bool((data[torch.isfinite(data)] > 0).any())
 
 
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # trainguard/
+DEMO_DIR = os.path.join(PACKAGE_DIR, "demo")  # the demo plays the user's code
+LIBRARY_DIRS = tuple(
+    sorted({os.path.abspath(sysconfig.get_paths()[k]) for k in ("stdlib", "purelib", "platlib")})
+)
+
+
+def is_user_frame(filename: str) -> bool:
+    """Whether a frame is the user's code: not trainguard's own, not an installed library's,
+    not the standard library's."""
+    path = os.path.abspath(filename) if not filename.startswith("<") else filename
+    if path.startswith(DEMO_DIR + os.sep):
+        return True
+    if path.startswith("<") or path.startswith(PACKAGE_DIR + os.sep):
+        return False
+    if f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path:
+        return False
+    return not any(path.startswith(d + os.sep) for d in LIBRARY_DIRS)
+
+
 def _user_frames() -> list[str]:
-    """The last frames of the user's code: not torch's, not this file's."""
-    return [
-        f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
-        for f in traceback.extract_stack()
-        if f"{os.sep}torch{os.sep}" not in f.filename and f.filename != __file__
-    ][-FRAMES:]
+    """The last frames of the user's code, innermost last; where none is the user's (a
+    library's own training loop), every frame but torch's and trainguard's."""
+    stack = traceback.extract_stack()
+    frames = [f for f in stack if is_user_frame(f.filename)] or [
+        f
+        for f in stack
+        if f"{os.sep}torch{os.sep}" not in f.filename
+        and not os.path.abspath(f.filename).startswith(PACKAGE_DIR + os.sep)
+    ]
+    return [f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}" for f in frames][
+        -FRAMES:
+    ]
 
 
 def _push(state: _TraceState, name: str, module: nn.Module) -> Callable[..., None]:

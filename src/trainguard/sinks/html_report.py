@@ -8,6 +8,7 @@ import html
 import json
 import math
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,24 +35,76 @@ KIND_COLOURS = {
     "oscillation": "#bcbd22",
     "vanishing_gradients": "#7f7f7f",
     "halt": "#000000",
+    "weight_jump": "#393b79",
+    "fp16_overflow": "#637939",
+}
+PANEL_OF = {  # the panel an event kind is drawn on, where the run has it
+    "grad_spike": "grad_norm",
+    "grad_explosion": "grad_norm",
+    "vanishing_gradients": "grad_norm",
+    "fp16_overflow": "loss_scale",
 }
 ATTACHED = ("spike_classified", "spike_samples", "nan_origin", "rollback", "lr_reduced")
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0 auto;max-width:1200px;
 padding:16px 24px;color:#222}
-h1{font-size:22px;margin:4px 0}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #ddd}
+h1{font-size:22px;margin:4px 0;overflow-wrap:anywhere}
+h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #ddd}
 .verdict{padding:8px 12px;border-radius:6px;margin:8px 0}.ok{background:#e8f5e9}
 .bad{background:#fdecea}
 .cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(360px,1fr));gap:12px}
-.incident{border:1px solid #ddd;border-left:6px solid var(--c);border-radius:6px;padding:10px 12px}
+.incident{border:1px solid #ddd;border-left:6px solid var(--c);border-radius:6px;padding:10px 12px;
+min-width:0;max-height:560px;overflow:auto;overflow-wrap:anywhere}
 .incident h3{margin:0 0 6px;font-size:15px}.sev{font-size:12px;padding:1px 6px;border-radius:4px;
 background:#eee;margin-left:6px}.sev.critical{background:#d62728;color:#fff}
 .sev.warning{background:#ff9800;color:#fff}dl{margin:4px 0;display:grid;
-grid-template-columns:max-content 1fr;gap:2px 10px;font-size:13px}dt{color:#666}dd{margin:0}
-pre{background:#f6f8fa;padding:10px;overflow:auto;font-size:12px;max-height:420px}
+grid-template-columns:max-content minmax(0,1fr);gap:2px 10px;font-size:13px}dt{color:#666}
+dd{margin:0;min-width:0}
+pre{background:#f6f8fa;padding:10px;overflow:auto;font-size:12px;max-height:420px;max-width:100%;
+box-sizing:border-box}
+.incident pre{white-space:pre-wrap;overflow-wrap:anywhere}
 table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ddd;padding:4px 8px;
-text-align:left;vertical-align:top}.muted{color:#777;font-size:13px}
+text-align:left;vertical-align:top;overflow-wrap:anywhere}.muted{color:#777;font-size:13px}
 """
+
+
+@dataclass
+class Incident:
+    """The events of warning or above at one step (a step replayed after a rollback brings its
+    events again): one card, one set of markers."""
+
+    step: int
+    events: list[dict[str, Any]]
+
+    @property
+    def primary(self) -> dict[str, Any]:
+        """The most severe event, the first of them."""
+        return max(self.events, key=lambda e: SEVERITY_RANK.get(str(e.get("severity")), 0))
+
+
+def incidents_of(events: list[dict[str, Any]]) -> list[Incident]:
+    """The incidents of a run, one per step, in step order."""
+    by_step: dict[int, Incident] = {}
+    for e in events:
+        if _is_incident(e):
+            step = int(e["step"])
+            by_step.setdefault(step, Incident(step, [])).events.append(e)
+    return sorted(by_step.values(), key=lambda i: i.step)
+
+
+def final_types(events: list[dict[str, Any]]) -> dict[int, str]:
+    """Each spike's type as its follow-up left it (the last `spike_classified` for its step),
+    else as it was first typed."""
+    types: dict[int, str] = {}
+    for e in events:
+        if e.get("kind") == "loss_spike" and e.get("type"):
+            types.setdefault(int(e["step"]), str(e["type"]))
+    for e in events:
+        if e.get("kind") == "spike_classified" and e.get("type"):
+            spike = (e.get("metrics") or {}).get("spike_step", e.get("step"))
+            if isinstance(spike, int):
+                types[spike] = str(e["type"])
+    return types
 
 
 def write_report(record: RunRecord, out: str | Path, title: str | None = None) -> Path:
@@ -59,8 +112,9 @@ def write_report(record: RunRecord, out: str | Path, title: str | None = None) -
     from plotly.offline import get_plotlyjs
 
     path = Path(out)
-    incidents = [e for e in record.events if _is_incident(e)]
-    figures = [("curves", _curves(record, incidents))]
+    incidents = incidents_of(record.events)
+    types = final_types(record.events)
+    figures = [("curves", _curves(record, incidents, types))]
     if record.groups and len(record.group_steps):
         figures.append(("groups", _heatmap(record)))
     scripts = "\n".join(
@@ -80,13 +134,9 @@ def write_report(record: RunRecord, out: str | Path, title: str | None = None) -
             '<h2>Layer-group gradient norms</h2><p class="muted">log10 of each group\'s '
             'gradient norm per step.</p><div id="groups"></div>'
         )
-    body.append(_cards(record, incidents))
+    body.append(_cards(record, incidents, types))
     body.append(_lint(record))
-    body.append(
-        "<h2>Config</h2><pre>"
-        + html.escape(json.dumps(record.config, indent=2, sort_keys=True))
-        + "</pre>"
-    )
+    body.append(_config(record))
     page = (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         f"<title>{name}</title><style>{CSS}</style>"
@@ -160,11 +210,39 @@ def _block_medians(steps: np.ndarray, values: np.ndarray) -> tuple[Any, Any, int
     return centre, med, width
 
 
-def _colour(event: dict[str, Any]) -> str:
-    return TYPE_COLOURS.get(str(event.get("type")), KIND_COLOURS.get(str(event["kind"]), "#d62728"))
+def _colour(label: str) -> str:
+    """The colour of a marker or card: by the incident's type, else by its kind."""
+    return TYPE_COLOURS.get(label, KIND_COLOURS.get(label, "#d62728"))
 
 
-def _curves(record: RunRecord, incidents: list[dict[str, Any]]) -> dict[str, Any]:
+def _label(event: dict[str, Any], types: dict[int, str]) -> str:
+    """What a marker or card is named by: a loss spike by its final type, else the kind."""
+    if event.get("kind") == "loss_spike":
+        return types.get(int(event["step"])) or str(event.get("type") or "loss_spike")
+    return str(event.get("type") or event["kind"])
+
+
+def _axis_range(values: np.ndarray) -> list[float] | None:
+    """A linear axis's range for a series that does not vary (plotly would draw it at the
+    middle of -1..1); None leaves the range to plotly."""
+    finite = values[np.isfinite(values)]
+    if not len(finite):
+        return None
+    lo, hi = float(finite.min()), float(finite.max())
+    if hi - lo > 1e-9 * max(abs(lo), abs(hi)):
+        return None
+    return [lo - abs(lo) / 2, hi + abs(hi) / 2] if lo else [-1.0, 1.0]
+
+
+def _value_at(steps: np.ndarray, values: np.ndarray, step: int) -> float:
+    """A column's value at `step`, else its last finite value before it (where a NaN step is
+    marked), else NaN."""
+    i = int(np.searchsorted(steps, step, side="right"))
+    finite = np.flatnonzero(np.isfinite(values[:i]))
+    return float(values[finite[-1]]) if len(finite) else math.nan
+
+
+def _curves(record: RunRecord, incidents: list[Incident], types: dict[int, str]) -> dict[str, Any]:
     from plotly.subplots import make_subplots
 
     cols = record.columns
@@ -175,6 +253,7 @@ def _curves(record: RunRecord, incidents: list[dict[str, Any]]) -> dict[str, Any
         panels.append(("lr", "learning rate", False))
     if "loss_scale" in cols and np.isfinite(cols["loss_scale"]).any():
         panels.append(("loss_scale", "loss scale", True))
+    row_of = {key: row for row, (key, _, _) in enumerate(panels, 1)}
     fig = make_subplots(
         rows=len(panels),
         cols=1,
@@ -194,8 +273,10 @@ def _curves(record: RunRecord, incidents: list[dict[str, Any]]) -> dict[str, Any
             col=1,
             line={"width": 1, "color": "#4c72b0"},
         )
-        if log:
-            fig.update_yaxes(type="log", row=row, col=1)
+        if log:  # labels written out (plotly writes 0.5 as "5" between decades)
+            fig.update_yaxes(type="log", tickformat="~g", row=row, col=1)
+        else:  # an LR as 5e-05, not plotly's 50µ
+            fig.update_yaxes(range=_axis_range(cols[key]), exponentformat="e", row=row, col=1)
         fig.update_yaxes(title_text=label, row=row, col=1)
     loss = cols["loss"]
     x, y, width = _block_medians(steps, loss)
@@ -208,60 +289,38 @@ def _curves(record: RunRecord, incidents: list[dict[str, Any]]) -> dict[str, Any
         col=1,
         line={"width": 2, "color": "#dd8452"},
     )
+    for name, (eval_steps, values) in record.evals.items():
+        fig.add_scatter(
+            x=eval_steps.tolist(),
+            y=_finite(values),
+            mode="lines+markers",
+            name=name.replace("_", " "),
+            row=1,
+            col=1,
+            line={"width": 1.5, "color": "#55a868", "dash": "dot"},
+            marker={"size": 5},
+        )
     if len(record.abandoned.get("step", [])):
         fig.add_scatter(
             x=record.abandoned["step"].tolist(),
             y=_finite(record.abandoned["loss"]),
             mode="markers",
-            name="abandoned by a rollback",
+            name=record.abandoned_label,
             row=1,
             col=1,
             marker={"size": 4, "color": "#bbbbbb"},
         )
-    clip = record.config.get("max_grad_norm")
-    if "grad_norm" in cols and isinstance(clip, (int, float)):
+    clip = record.config.get("max_grad_norm")  # a judged log's config is trainguard's, not its own
+    if "grad_norm" in row_of and isinstance(clip, (int, float)) and not record.judged:
         fig.add_hline(
             y=float(clip),
             line={"dash": "dash", "color": "#c44e52"},
-            row=2,
+            row=row_of["grad_norm"],
             col=1,
             annotation_text=f"clip {clip:g}",
             annotation_position="top left",
         )
-    by_label: dict[str, list[dict[str, Any]]] = {}
-    for e in incidents:
-        by_label.setdefault(str(e.get("type") or e["kind"]), []).append(e)
-    index = {int(s): i for i, s in enumerate(steps.tolist())}
-    for label, group in by_label.items():
-        xs, ys, texts = [], [], []
-        for e in group:
-            i = index.get(int(e["step"]))
-            seen = (e.get("metrics") or {}).get("loss")  # the loss the detector saw there
-            value = float(seen) if isinstance(seen, (int, float)) else math.nan
-            if not math.isfinite(value):
-                value = loss[i] if i is not None else math.nan
-            xs.append(int(e["step"]))
-            ys.append(float(value) if math.isfinite(value) else None)
-            texts.append(
-                f"step {e['step']}: {e['kind']} ({e.get('type') or e['severity']})<br>"
-                + _wrap(str(e.get("message", "")))
-            )
-        fig.add_scatter(
-            x=xs,
-            y=ys,
-            mode="markers",
-            name=label.replace("_", " "),
-            row=1,
-            col=1,
-            marker={
-                "size": 11,
-                "color": _colour(group[0]),
-                "symbol": "diamond",
-                "line": {"width": 1, "color": "#fff"},
-            },
-            text=[html.escape(t).replace("&lt;br&gt;", "<br>") for t in texts],
-            hovertemplate="%{text}<extra></extra>",
-        )
+    _mark_incidents(fig, record, incidents, types, row_of)
     fig.update_layout(
         height=260 + 170 * len(panels),
         margin={"l": 60, "r": 20, "t": 20, "b": 40},
@@ -270,6 +329,64 @@ def _curves(record: RunRecord, incidents: list[dict[str, Any]]) -> dict[str, Any
     )
     fig.update_xaxes(title_text="step", row=len(panels), col=1)
     return dict(fig.to_plotly_json())
+
+
+def _mark_incidents(
+    fig: Any,
+    record: RunRecord,
+    incidents: list[Incident],
+    types: dict[int, str],
+    row_of: dict[str, int],
+) -> None:
+    """A marker per event kind and step, on the panel of what it is about, coloured and named
+    by the incident's final type; a non-finite step is also a line across every panel."""
+    markers: dict[tuple[str, str], list[tuple[int, float | None, str]]] = {}
+    nonfinite: list[int] = []
+    for incident in incidents:
+        seen: set[str] = set()
+        for e in incident.events:
+            kind = str(e["kind"])
+            if kind in seen:  # the step replayed after a rollback: one marker
+                continue
+            seen.add(kind)
+            panel = PANEL_OF.get(kind, "loss")
+            panel = panel if panel in row_of else "loss"
+            value = math.nan
+            metric = (e.get("metrics") or {}).get(panel)
+            if isinstance(metric, (int, float)) and not isinstance(metric, bool):
+                value = float(metric)  # what the detector saw there
+            if not math.isfinite(value):
+                value = _value_at(record.steps, record.columns[panel], incident.step)
+            if kind == "nonfinite":
+                nonfinite.append(incident.step)
+            label = _label(e, types)
+            text = (
+                f"step {incident.step}: {kind} ({label if label != kind else e['severity']})"
+                f"<br>{_wrap(str(e.get('message', '')))}"
+            )
+            markers.setdefault((panel, label), []).append(
+                (incident.step, value if math.isfinite(value) else None, text)
+            )
+    for (panel, label), points in markers.items():
+        fig.add_scatter(
+            x=[p[0] for p in points],
+            y=[p[1] for p in points],
+            mode="markers",
+            name=label.replace("_", " "),
+            legendgroup=label,
+            row=row_of[panel],
+            col=1,
+            marker={
+                "size": 11,
+                "color": _colour(label),
+                "symbol": "x" if label == "nonfinite" else "diamond",
+                "line": {"width": 1, "color": "#fff"},
+            },
+            text=[html.escape(p[2]).replace("&lt;br&gt;", "<br>") for p in points],
+            hovertemplate="%{text}<extra></extra>",
+        )
+    for step in nonfinite:
+        fig.add_vline(x=step, line={"dash": "dot", "color": "#000000", "width": 1})
 
 
 def _wrap(text: str, width: int = 90) -> str:
@@ -314,19 +431,24 @@ def _heatmap(record: RunRecord) -> dict[str, Any]:
     return dict(fig.to_plotly_json())
 
 
-def _summary(record: RunRecord, incidents: list[dict[str, Any]]) -> str:
+def _summary(record: RunRecord, incidents: list[Incident]) -> str:
     loss = record.columns["loss"]
     finite = loss[np.isfinite(loss)]
     final = f"{float(np.mean(finite[-20:])):.4g}" if len(finite) else "n/a"
     counts: dict[str, int] = {}
-    for e in incidents:
-        counts[e["kind"]] = counts.get(e["kind"], 0) + 1
+    for incident in incidents:
+        for kind in dict.fromkeys(str(e["kind"]) for e in incident.events):
+            counts[kind] = counts.get(kind, 0) + 1
     actions = ""
     if record.action_counts:
         tally = {a: record.action_counts.get(a, 0) for a in ("skip", "rollback", "halt")}
         actions = ", ".join(f"{n} {a}" for a, n in tally.items() if n) or "no intervention"
-    kinds = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in counts.items())
-    verdict = f"{len(incidents)} incident(s): {kinds}" if incidents else "healthy: no incident"
+    kinds = ", ".join(f"{k.replace('_', ' ')} ({n})" for k, n in counts.items())
+    verdict = (
+        f"{len(incidents)} incident(s) (steps with an event of warning or above): {kinds}"
+        if incidents
+        else "healthy: no incident"
+    )
     origin = "judged offline by trainguard analyze" if record.judged else "recorded by the guard"
     rows = [
         ("source", html.escape(str(record.source))),
@@ -342,7 +464,7 @@ def _summary(record: RunRecord, incidents: list[dict[str, Any]]) -> str:
     return f'<div class="verdict {cls}">{html.escape(verdict)}</div><table>{cells}</table>'
 
 
-def _cards(record: RunRecord, incidents: list[dict[str, Any]]) -> str:
+def _cards(record: RunRecord, incidents: list[Incident], types: dict[int, str]) -> str:
     if not incidents:
         return "<h2>Incidents</h2><p>None at warning or above.</p>"
     by_step: dict[int, list[dict[str, Any]]] = {}
@@ -353,7 +475,7 @@ def _cards(record: RunRecord, incidents: list[dict[str, Any]]) -> str:
             for key in {s for s in steps if isinstance(s, int)}:
                 by_step.setdefault(key, []).append(r)
     shown = incidents[:MAX_CARDS]
-    cards = [_card(record, e, by_step.get(int(e["step"]), [])) for e in shown]
+    cards = [_card(record, i, by_step.get(i.step, []), types) for i in shown]
     more = (
         f'<p class="muted">and {len(incidents) - len(shown)} more incidents: see events.jsonl '
         "or trainguard analyze --json.</p>"
@@ -368,55 +490,76 @@ def _cards(record: RunRecord, incidents: list[dict[str, Any]]) -> str:
     )
 
 
-def _card(record: RunRecord, e: dict[str, Any], related: list[dict[str, Any]]) -> str:
+def _distinct(texts: list[str]) -> list[str]:
+    """The texts once each, in order (a replayed step repeats its events' messages)."""
+    return list(dict.fromkeys(t for t in texts if t))
+
+
+def _card(
+    record: RunRecord, incident: Incident, related: list[dict[str, Any]], types: dict[int, str]
+) -> str:
     """One incident: when, what, cause, diagnosis, action and outcome."""
-    step = int(e["step"])
+    step = incident.step
     esc = html.escape
-    what = str(e["kind"]).replace("_", " ")
-    kind_type = e.get("type")
-    rows: list[tuple[str, str]] = [("step", str(step)), ("what", esc(str(e.get("message", ""))))]
-    for r in related:
-        if r["kind"] == "spike_classified":
-            kind_type = r.get("type") or kind_type
-            rows.append(("type", esc(str(r.get("message", "")))))
-    if kind_type:
-        rows.insert(1, ("cause", esc(str(kind_type).replace("_", " "))))
-    diagnosis = _diagnosis(e, related)
+    primary = incident.primary
+    label = _label(primary, types)
+    rows: list[tuple[str, str]] = [("step", str(step))]
+    if label != primary["kind"]:
+        rows.append(("cause", esc(label.replace("_", " "))))
+    rows.append(("what", esc(str(primary.get("message", "")))))
+    times = sum(1 for e in incident.events if e["kind"] == primary["kind"])
+    if times > 1:
+        rows.append(("seen", f"{times} times: the step was trained again after a rollback"))
+    also = _distinct(
+        [
+            f"{str(e['kind']).replace('_', ' ')} ({e.get('severity')}): {e.get('message', '')}"
+            for e in incident.events
+            if e["kind"] != primary["kind"]
+        ]
+    )
+    rows += [("also", esc(a)) for a in also]
+    rows += [
+        ("type", esc(t))
+        for t in _distinct(
+            [str(r.get("message", "")) for r in related if r["kind"] == "spike_classified"]
+        )
+    ]
+    diagnosis = _diagnosis(incident.events, related)
     if diagnosis:
         rows.append(("diagnosis", diagnosis))
-    action = e.get("action")
-    acts = [
-        esc(str(r.get("message", ""))) for r in related if r["kind"] in ("rollback", "lr_reduced")
-    ]
-    if action or acts:
-        rows.append(("action", esc(str(action or "")) + "".join(f"<br>{a}" for a in acts)))
+    taken = _distinct([str(e.get("action") or "") for e in incident.events])
+    acts = _distinct(
+        [str(r.get("message", "")) for r in related if r["kind"] in ("rollback", "lr_reduced")]
+    )
+    if taken or acts:
+        rows.append(("action", "<br>".join(esc(a) for a in [", ".join(taken), *acts] if a)))
     rows.append(("outcome", esc(_outcome(record, step))))
     body = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in rows)
-    sev = esc(str(e.get("severity")))
-    colour = _colour({**e, "type": kind_type})
+    sev = esc(str(primary.get("severity")))
+    what = str(primary["kind"]).replace("_", " ")
     return (
-        f'<div class="incident" style="--c:{colour}" data-step="{step}" '
-        f'data-kind="{esc(str(e["kind"]))}"><h3>{esc(what)} at step {step}'
+        f'<div class="incident" style="--c:{_colour(label)}" data-step="{step}" '
+        f'data-kind="{esc(str(primary["kind"]))}"><h3>{esc(what)} at step {step}'
         f'<span class="sev {sev}">{sev}</span></h3><dl>{body}</dl></div>'
     )
 
 
-def _diagnosis(e: dict[str, Any], related: list[dict[str, Any]]) -> str:
+def _diagnosis(events: list[dict[str, Any]], related: list[dict[str, Any]]) -> str:
     esc = html.escape
     parts: list[str] = []
-    metrics = e.get("metrics") or {}
-    first = metrics.get("first_group")
-    if isinstance(first, dict):
-        parts.append(
-            f"{esc(str(first.get('group')))} moved first "
-            f"(from step {esc(str(first.get('since_step')))})"
-        )
+    for e in events:
+        first = (e.get("metrics") or {}).get("first_group")
+        if isinstance(first, dict):
+            parts.append(
+                f"{esc(str(first.get('group')))} moved first "
+                f"(from step {esc(str(first.get('since_step')))})"
+            )
     for r in related:
         m = r.get("metrics") or {}
         if r["kind"] == "nan_origin":
             parts.append(esc(str(r.get("message", ""))))
             frames = m.get("frames")
-            if frames and isinstance(frames, list):
+            if frames and isinstance(frames, list):  # the user's code, innermost last
                 parts.append("<pre>" + esc("\n".join(str(f) for f in frames[-6:])) + "</pre>")
         elif r["kind"] == "spike_samples":
             samples = m.get("samples")
@@ -431,15 +574,17 @@ def _diagnosis(e: dict[str, Any], related: list[dict[str, Any]]) -> str:
                     + "</li>"
                 )
             parts.append(f"samples that carry it:<ul>{''.join(items)}</ul>")
-    return "<br>".join(parts)
+    return "<br>".join(_distinct(parts))
 
 
 def _outcome(record: RunRecord, step: int) -> str:
-    """The loss before the incident against the loss `OUTCOME_STEPS` steps later."""
+    """The loss before the incident against the loss from `OUTCOME_STEPS` steps later on (the
+    logged points there, however far apart they are)."""
     steps, loss = record.steps, record.columns["loss"]
     i = int(np.searchsorted(steps, step))
+    j = int(np.searchsorted(steps, step + OUTCOME_STEPS))
     before = loss[max(0, i - 20) : i]
-    after = loss[i + OUTCOME_STEPS : i + OUTCOME_STEPS + 20]
+    after = loss[j : j + 20]
     if record.actions is not None and "halt" in record.actions[i:]:
         return "the run halted"
     before, after = before[np.isfinite(before)], after[np.isfinite(after)]
@@ -447,12 +592,19 @@ def _outcome(record: RunRecord, step: int) -> str:
         return "not enough steps around it to judge"
     b, a = float(np.median(before)), float(np.median(after))
     change = (a - b) / abs(b) if b else 0.0
+    when = f"from step {int(steps[j])} on" if j < len(steps) else "after it"
     if change <= 0.02:
-        return f"recovered: loss {a:.4g} {OUTCOME_STEPS} steps later against {b:.4g} before"
-    return f"still {change:.0%} above: loss {a:.4g} {OUTCOME_STEPS} steps later against {b:.4g}"
+        return f"recovered: loss {a:.4g} {when} against {b:.4g} before"
+    return f"still {change:.0%} above: loss {a:.4g} {when} against {b:.4g} before"
 
 
 def _lint(record: RunRecord) -> str:
+    if record.judged:
+        return (
+            "<h2>Set-up lint</h2><p>Not run: a log holds no model or optimizer to check; "
+            "<code>trainguard lint</code> checks a set-up, and a guarded run records its "
+            "findings here.</p>"
+        )
     findings = [e for e in record.events if e.get("kind") == "lint"]
     if not findings:
         return "<h2>Set-up lint</h2><p>No findings.</p>"
@@ -475,4 +627,17 @@ def _lint(record: RunRecord) -> str:
     return (
         "<h2>Set-up lint</h2><table><tr><th>severity</th><th>check</th><th>finding</th>"
         "<th>fix</th></tr>" + "".join(rows) + "</table>"
+    )
+
+
+def _config(record: RunRecord) -> str:
+    note = (
+        '<p class="muted">The GuardConfig that trainguard analyze judged this log with.</p>'
+        if record.judged
+        else ""
+    )
+    return (
+        f"<h2>Config</h2>{note}<pre>"
+        + html.escape(json.dumps(record.config, indent=2, sort_keys=True))
+        + "</pre>"
     )
