@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -63,6 +65,45 @@ def test_each_planted_mistake_is_found(change, code):
     if change.get("scheduler", 1) is None:
         setup["scheduler"] = None
     assert codes(setup) == [code]
+
+
+def hundred_step_warmups(total: int) -> dict[str, Callable[[torch.optim.Optimizer], Any]]:
+    """A 100-step warmup to the peak in each scheduler's own terms, in a run of `total` steps."""
+    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+    sched = torch.optim.lr_scheduler
+    return {
+        "LambdaLR (s+1)/100": lambda o: sched.LambdaLR(o, lambda s: min(1.0, (s + 1) / 100)),
+        # LinearLR runs total_iters + 1 steps from start_factor up to the peak
+        "LinearLR": lambda o: sched.LinearLR(o, start_factor=0.01, total_iters=99),
+        "OneCycleLR": lambda o: sched.OneCycleLR(o, 1e-3, total_steps=total, pct_start=100 / total),
+        "SequentialLR": lambda o: sched.SequentialLR(
+            o,
+            [sched.LinearLR(o, 0.01, total_iters=99), sched.CosineAnnealingLR(o, total - 99)],
+            milestones=[99],
+        ),
+        "HF linear": lambda o: get_linear_schedule_with_warmup(o, 100, total),
+        "HF cosine": lambda o: get_cosine_schedule_with_warmup(o, 100, total),
+    }
+
+
+@pytest.mark.parametrize("name", list(hundred_step_warmups(1)))
+def test_the_warmup_is_counted_exactly(name):
+    """100 warmup steps are 1% of 10,000 (no finding) and reported as 100 in 20,000."""
+    for total, expected in ((10_000, []), (20_000, ["the warmup lasts 100 steps, 0.50% of 20000"])):
+        setup = clean_setup(total_steps=total)
+        setup["scheduler"] = hundred_step_warmups(total)[name](setup["optimizer"])
+        found = [f.message for f in lint(**setup) if f.code in ("short-warmup", "no-warmup")]
+        assert [m.split(": ")[0] for m in found] == expected, found
+
+
+def test_a_one_cycle_schedule_is_traced_to_its_end_only():
+    """OneCycleLR raises when stepped past its total_steps: with no run length the trace stops
+    there."""
+    setup = clean_setup(total_steps=None)
+    opt = setup["optimizer"]
+    setup["scheduler"] = torch.optim.lr_scheduler.OneCycleLR(opt, 1e-3, total_steps=1000)
+    assert codes(setup) == []
 
 
 def test_init_mistakes_are_found():

@@ -25,6 +25,7 @@ RESIDUAL_OUT = re.compile(
     r"|(mlp|ffn|feed_forward)\.(c_proj|fc2|down_proj|dense_4h_to_h|w2|2)\.weight$"
 )
 WARMUP_HORIZON = 20_000  # scheduler steps simulated to find the warmup
+PEAK_TOLERANCE = 1e-6  # an LR this close to the peak (relative) has reached it: float rounding
 
 
 @dataclass
@@ -87,8 +88,11 @@ def lint(
 
 
 def _lr_trace(optimizer: torch.optim.Optimizer, scheduler: Any, steps: int) -> list[float]:
-    """The first group's LR over `steps` scheduler steps, leaving scheduler and optimizer as
-    they were."""
+    """The first group's LR over `steps` scheduler steps (fewer where the scheduler's own
+    `total_steps`, as OneCycleLR's, ends sooner), leaving scheduler and optimizer as they were."""
+    own_total = getattr(scheduler, "total_steps", None)
+    if isinstance(own_total, int) and isinstance(getattr(scheduler, "last_epoch", None), int):
+        steps = min(steps, max(0, own_total - scheduler.last_epoch))
     saved_sched = copy.deepcopy(scheduler.state_dict())
     saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     lrs = [float(optimizer.param_groups[0]["lr"])]
@@ -118,13 +122,13 @@ def _schedule(
         else [float(optimizer.param_groups[0]["lr"])]
     )
     peak = max(lrs)
-    warmup = next((i for i, lr in enumerate(lrs) if lr >= 0.95 * peak), 0)
-    if scheduler is None or lrs[0] >= 0.5 * peak:
+    first, warmup = _warmup(lrs)
+    if scheduler is None or lrs[first] >= 0.5 * peak:
         findings.append(
             Finding(
                 "no-warmup",
                 "warning",
-                f"the LR starts at {lrs[0]:.3g}, already near its peak {peak:.3g}: no warmup",
+                f"the LR starts at {lrs[first]:.3g}, already near its peak {peak:.3g}: no warmup",
                 "warm the LR up linearly from 0 over 1-5% of the steps "
                 "(trainguard.fixes.WarmupCosineRestarts)",
             )
@@ -152,6 +156,18 @@ def _schedule(
             )
         )
     return findings
+
+
+def _warmup(lrs: list[float]) -> tuple[int, int]:
+    """The first step that trains (LR above 0) and the warmup's length: the steps from it to the
+    first at the peak, both counted (HF's `warmup_steps=20`, LR 0 at step 0 and the peak at step
+    20, is 20 steps; `(s + 1) / 100` in a LambdaLR is 100)."""
+    peak = max(lrs)
+    if peak <= 0:
+        return 0, 0
+    first = next(i for i, lr in enumerate(lrs) if lr > 0)
+    top = next(i for i, lr in enumerate(lrs) if lr >= peak * (1 - PEAK_TOLERANCE))
+    return first, top - first + 1 if top > first else 0
 
 
 def _adam(optimizer: torch.optim.Optimizer) -> list[Finding]:
