@@ -86,3 +86,36 @@ def test_lint_a_setup_from_a_file(tmp_path):
     assert {"no-warmup", "adam-beta2", "residual-init"} <= codes and "no-clipping" not in codes
     missing = run("lint", f"{tmp_path / 'nope.py'}:build")
     assert missing.returncode == 2 and "not found" in missing.stderr
+
+
+def test_lint_imports_a_module_from_the_current_folder_and_takes_the_autocast_dtype(tmp_path):
+    """`trainguard lint mysetup:build` finds mysetup.py where it runs, as `python -m` would; a
+    missing module or function is one line that says what to give."""
+    (tmp_path / "mysetup.py").write_text(
+        "import torch\n"
+        "from trainguard.demo import TinyGPT\n"
+        "def build():\n"
+        "    model = TinyGPT()\n"
+        "    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))\n"
+    )
+    out = run(
+        "lint",
+        "mysetup:build",
+        "--max-grad-norm",
+        "1",
+        "--autocast",
+        "fp16",
+        "--json",
+        cwd=tmp_path,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "fp16-no-scaler" in {f["code"] for f in json.loads(out.stdout)}
+    bf16 = run("lint", f"{tmp_path / 'mysetup.py'}:build", "--autocast", "bf16", "--json")
+    assert bf16.returncode == 1 and "fp16-no-scaler" not in bf16.stdout, bf16.stderr
+    for target, says in [
+        ("mysetup:nope", "mysetup has no function nope: give mysetup:FUNCTION"),
+        ("nosuch:build", "run trainguard from the folder that holds it, or give FILE.py:FUNCTION"),
+    ]:
+        missing = run("lint", target, cwd=tmp_path)
+        assert missing.returncode == 2 and "Traceback" not in missing.stderr
+        assert says in " ".join(missing.stderr.split()), missing.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
@@ -45,6 +46,16 @@ LogFormatName = Annotated[
 RunName = Annotated[
     str | None, typer.Option(help="In a file of several runs (a W&B export), this one.")
 ]
+
+
+class AutocastDtype(str, Enum):
+    """The dtype the run's forward computes in under autocast, as `lint --autocast` names it."""
+
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+AUTOCAST_TORCH_NAMES = {AutocastDtype.fp16: "float16", AutocastDtype.bf16: "bfloat16"}
 
 
 @app.command()
@@ -266,11 +277,16 @@ def lint_command(
     max_grad_norm: Annotated[
         float | None, typer.Option(help="The clip threshold the run uses; omit for none.")
     ] = None,
+    autocast: Annotated[
+        AutocastDtype | None,
+        typer.Option(help="The dtype the forward runs in under autocast; omit for none."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the findings as JSON.")] = False,
 ) -> None:
     """Lint a training set-up: exit 1 when a warning or worse is found, 0 when clean."""
     import json
 
+    import torch
     from rich.table import Table
 
     from trainguard.diagnosis.lint import lint
@@ -285,6 +301,7 @@ def lint_command(
             setup.get("scaler"),
             max_grad_norm,
             total_steps,
+            getattr(torch, AUTOCAST_TORCH_NAMES[autocast]) if autocast is not None else None,
         )
     except TrainguardError:
         raise
@@ -377,7 +394,10 @@ def _load_setup(target: str, keys: tuple[str, ...] = LINT_KEYS) -> dict[str, Any
     except (Exception, SystemExit) as exc:  # the user's code: its failure is bad input
         raise _user_code_error(target, exc) from None
     if not callable(factory):
-        raise TrainguardError(f"{where} has no function {name} that builds the set-up")
+        raise TrainguardError(
+            f"{where} has no function {name}: give {where}:FUNCTION, the function in it that "
+            "builds the set-up"
+        )
     if isinstance(built, dict):
         setup = dict(built)
     elif isinstance(built, (tuple, list)):
@@ -389,7 +409,8 @@ def _load_setup(target: str, keys: tuple[str, ...] = LINT_KEYS) -> dict[str, Any
 
 
 def _import_module(where: str) -> ModuleType:
-    """The module of a target: a FILE.py run as a module, or an importable MODULE."""
+    """The module of a target: a FILE.py run as a module, or a MODULE imported as `python -m`
+    would (from the current folder first, then the installed packages)."""
     import importlib
     import importlib.util
     import sys
@@ -408,10 +429,19 @@ def _import_module(where: str) -> ModuleType:
         except (Exception, SystemExit) as exc:  # a syntax error, a failing import, ...
             raise _user_code_error(f"importing {path}", exc) from None
         return module
+    here = str(Path.cwd())
+    if here not in sys.path:
+        sys.path.insert(0, here)  # as `python -m` does: a module in the current folder
     try:
         return importlib.import_module(where)
     except ModuleNotFoundError as exc:
-        raise TrainguardError(f"cannot import {where}: {exc}") from None
+        missing = exc.name or ""
+        if where == missing or where.startswith(missing + "."):  # the target, not its imports
+            raise TrainguardError(
+                f"no module {where} in {here} or the installed packages: run trainguard from the "
+                "folder that holds it, or give FILE.py:FUNCTION"
+            ) from None
+        raise _user_code_error(f"importing {where}", exc) from None
     except (Exception, SystemExit) as exc:
         raise _user_code_error(f"importing {where}", exc) from None
 
