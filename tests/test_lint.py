@@ -129,6 +129,53 @@ def test_post_ln_depth():
     assert "post-ln-depth" not in [f.code for f in lint(pre)]
 
 
+class BertStyleBlock(nn.Module):
+    """A hand-written transformer block: post-LN, `norm(x + f(x))`, or pre-LN, `x + f(norm(x))`;
+    or DeepNorm's `norm(alpha x + f(x))`."""
+
+    def __init__(self, kind: str, d: int = 8) -> None:
+        super().__init__()
+        self.kind = kind
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.ffn = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.attn_norm, self.ffn_norm = nn.LayerNorm(d), nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.kind == "pre":
+            h = self.attn_norm(x)
+            x = x + self.attn(h, h, h, key_padding_mask=mask, need_weights=False)[0]
+            return x + self.ffn(self.ffn_norm(x))
+        attended, _ = self.attn(x, x, x, key_padding_mask=mask, need_weights=False)
+        x = self.attn_norm(self.skip(x) + attended)
+        return self.ffn_norm(self.skip(x) + self.ffn(x))
+
+    def skip(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual path: DeepNorm weights it up by alpha (2 here)."""
+        return x * 2.0 if self.kind == "deepnorm" else x
+
+
+@pytest.mark.parametrize(("kind", "flagged"), [("post", True), ("pre", False), ("deepnorm", False)])
+def test_a_hand_written_post_ln_stack_is_found_by_its_structure(kind, flagged):
+    model = nn.ModuleList(BertStyleBlock(kind) for _ in range(32))
+    found = [f.message.split(":")[0] for f in lint(model) if f.code == "post-ln-depth"]
+    assert found == (["32 post-LN transformer layers"] if flagged else [])
+
+
+def test_post_ln_layers_nested_in_stages_are_counted_once():
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(BertStyleBlock("post") for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    found = [f.message for f in lint(nn.ModuleList(Stage() for _ in range(8)))]
+    assert [m for m in found if m.startswith("32 post-LN transformer layers:")] != []
+
+
 def test_peak_lr_table():
     assert peak_lr_limit(int(7e9)) == pytest.approx(3e-4)
     assert peak_lr_limit(int(70e9)) == pytest.approx(1e-4)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import math
+import operator
 import re
 import warnings
 from collections.abc import Sequence
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -24,6 +28,9 @@ RESIDUAL_OUT = re.compile(
     r"(attn|attention|self_attn)\.(c_proj|proj|o_proj|out_proj|dense)\.weight$"
     r"|(mlp|ffn|feed_forward)\.(c_proj|fc2|down_proj|dense_4h_to_h|w2|2)\.weight$"
 )
+NORM_FUNCTIONS = (F.layer_norm, F.rms_norm, torch.layer_norm)
+ADD_FUNCTIONS = (operator.add, operator.iadd, torch.add)
+MUL_FUNCTIONS = (operator.mul, torch.mul)
 WARMUP_HORIZON = 20_000  # scheduler steps simulated to find the warmup
 PEAK_TOLERANCE = 1e-6  # an LR this close to the peak (relative) has reached it: float rounding
 
@@ -226,12 +233,7 @@ def _precision(model: nn.Module, scaler: Any, autocast: torch.dtype | None) -> l
 
 
 def _post_ln(model: nn.Module) -> list[Finding]:
-    layers = [
-        m
-        for m in model.modules()
-        if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
-    ]
-    post = [m for m in layers if not m.norm_first]
+    post = [m for m in _blocks(model) if _is_post_ln(m)]
     if len(post) > 24 and not getattr(model, "deepnorm", False):
         return [
             Finding(
@@ -239,11 +241,110 @@ def _post_ln(model: nn.Module) -> list[Finding]:
                 "warning",
                 f"{len(post)} post-LN transformer layers: beyond 24, post-LN diverges without "
                 "DeepNorm's residual scaling",
-                "use pre-LN (norm_first=True), or DeepNorm: trainguard.fixes.DeepNormResidual "
-                "with deepnorm_init_",
+                "use pre-LN (norm_first=True; x + f(norm(x)) in a hand-written block), or "
+                "DeepNorm: trainguard.fixes.DeepNormResidual with deepnorm_init_",
             )
         ]
     return []
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """torch's transformer layers, and the repeated blocks (ModuleList or Sequential items of
+    one class) with a norm inside; the innermost, where blocks nest (stages of layers)."""
+    torch_layers = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+    found: dict[int, nn.Module] = {}
+    for m in model.modules():
+        if isinstance(m, torch_layers):
+            found[id(m)] = m
+        elif isinstance(m, (nn.ModuleList, nn.Sequential)) and len({type(c) for c in m}) == 1:
+            for block in m:
+                if not _is_norm(block) and any(_is_norm(s) for s in block.modules()):
+                    found.setdefault(id(block), block)
+    return [
+        block
+        for block in found.values()
+        if not any(id(s) in found for s in block.modules() if s is not block)
+    ]
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(
+        ("LayerNorm", "RMSNorm")
+    )
+
+
+class _NormTracer(torch.fx.Tracer):
+    """Traces a block down to its norms: a submodule with no norm inside is one opaque call."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return _is_norm(m) or not any(_is_norm(s) for s in m.modules())
+
+
+def _is_post_ln(block: nn.Module) -> bool:
+    """A post-LN block: its output is a norm of a residual sum, `norm(x + f(x))` (by
+    `norm_first` for torch's layers, by an fx trace otherwise; a block that does not trace is
+    not flagged, nor DeepNorm's `norm(alpha x + f(x))`, alpha > 1)."""
+    if isinstance(block, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return not block.norm_first
+    params = list(inspect.signature(block.forward).parameters.values())[1:]
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    defaults = {p.name: p.default for p in params if p.kind in keyword and p.default is not p.empty}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graph = _NormTracer().trace(block, concrete_args=defaults)
+    except Exception:  # control flow on tensors, *args wrappers, ...: not known to be post-LN
+        return False
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    out = next(n for n in graph.nodes if n.op == "output").args[0]
+    while isinstance(out, (tuple, list)) and out:
+        out = out[0]  # the hidden states of (hidden, attention weights, ...)
+    if not inputs or not isinstance(out, torch.fx.Node) or not _is_norm_node(out, block):
+        return False
+    summed = out.args[0] if out.args else None
+    return isinstance(summed, torch.fx.Node) and _is_residual_sum(summed, inputs[0])
+
+
+def _is_norm_node(node: torch.fx.Node, block: nn.Module) -> bool:
+    if node.op == "call_module" and isinstance(node.target, str):
+        return _is_norm(block.get_submodule(node.target))
+    return node.op == "call_function" and node.target in NORM_FUNCTIONS
+
+
+def _is_residual_sum(node: torch.fx.Node, hidden: torch.fx.Node) -> bool:
+    """`a + b` with both terms computed from the block's hidden-state input, neither scaled up by
+    a constant (DeepNorm's `alpha x`)."""
+    is_add = (node.op == "call_function" and node.target in ADD_FUNCTIONS) or (
+        node.op == "call_method" and node.target in ("add", "add_", "__add__")
+    )
+    terms = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+    return (
+        is_add
+        and len(terms) == 2
+        and all(_depends_on(t, hidden) for t in terms)
+        and not any(_scaled_up(t) for t in terms)
+    )
+
+
+def _depends_on(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    seen, todo = set(), [node]
+    while todo:
+        current = todo.pop()
+        if current is source:
+            return True
+        if current not in seen:
+            seen.add(current)
+            todo.extend(current.all_input_nodes)
+    return False
+
+
+def _scaled_up(node: torch.fx.Node) -> bool:
+    """`x * c` (or `c * x`) with a constant c > 1: DeepNorm's up-weighted residual."""
+    is_mul = (node.op == "call_function" and node.target in MUL_FUNCTIONS) or (
+        node.op == "call_method" and node.target in ("mul", "__mul__")
+    )
+    constants = [a for a in node.args if isinstance(a, (int, float))]
+    return is_mul and any(abs(c) > 1 for c in constants)
 
 
 def _depth(model: nn.Module) -> int:
