@@ -74,6 +74,7 @@ def hundred_step_warmups(total: int) -> dict[str, Callable[[torch.optim.Optimize
     sched = torch.optim.lr_scheduler
     return {
         "LambdaLR (s+1)/100": lambda o: sched.LambdaLR(o, lambda s: min(1.0, (s + 1) / 100)),
+        "LambdaLR in 4 stairs from 0": lambda o: sched.LambdaLR(o, lambda s: min(1, s // 25 / 4)),
         # LinearLR runs total_iters + 1 steps from start_factor up to the peak
         "LinearLR": lambda o: sched.LinearLR(o, start_factor=0.01, total_iters=99),
         "OneCycleLR": lambda o: sched.OneCycleLR(o, 1e-3, total_steps=total, pct_start=100 / total),

@@ -166,15 +166,15 @@ def _schedule(
 
 
 def _warmup(lrs: list[float]) -> tuple[int, int]:
-    """The first step that trains (LR above 0) and the warmup's length: the steps from it to the
-    first at the peak, both counted (HF's `warmup_steps=20`, LR 0 at step 0 and the peak at step
-    20, is 20 steps; `(s + 1) / 100` in a LambdaLR is 100)."""
+    """The first step that trains (LR above 0), and the warmup: the steps the LR takes to climb
+    from 0 to its peak, from step 0 at 0 or from one step before a step 0 already above it (HF's
+    `warmup_steps=20` is 20 steps, `(s + 1) / 100` in a LambdaLR 100)."""
     peak = max(lrs)
     if peak <= 0:
         return 0, 0
     first = next(i for i, lr in enumerate(lrs) if lr > 0)
     top = next(i for i, lr in enumerate(lrs) if lr >= peak * (1 - PEAK_TOLERANCE))
-    return first, top - first + 1 if top > first else 0
+    return first, top + (lrs[0] > 0) if top > 0 else 0
 
 
 def _adam(optimizer: torch.optim.Optimizer) -> list[Finding]:
