@@ -114,6 +114,62 @@ def test_the_hf_trainer_callback_skips_the_nan_and_the_toxic_step(tmp_path):
     assert len(metrics) == 70 and math.isfinite(json.loads(metrics[-1])["loss"])
 
 
+WARMUP_LINT = ["the warmup lasts 20 steps, 0.50% of 4000: under 1%"]
+"""What the lint says of a 20-step warmup from LR 0, in a run said to take 4000 steps."""
+
+
+def warmup_findings(guard: tg.Guard | None) -> list[str]:
+    assert guard is not None
+    return [f.message for f in guard.findings if f.code in ("no-warmup", "short-warmup")]
+
+
+def test_the_hf_callback_lints_the_trainers_schedule(tmp_path):
+    """The lint traces the Trainer's scheduler from the LR it sets for step 0 (0, with
+    `warmup_steps=20`): a 20-step warmup, not 'no warmup'."""
+    from trainguard.integrations.hf import TrainguardCallback
+
+    config = tg.GuardConfig(console=False, diagnosis={"total_steps": 4000})
+    callback = TrainguardCallback(config)
+    hf_train(
+        tmp_path,
+        tiny_gpt2(),
+        callback,
+        max_steps=3,
+        warmup_steps=20,
+        lr_scheduler_type="constant_with_warmup",
+        learning_rate=1e-3,
+    )
+    assert warmup_findings(callback.guard) == WARMUP_LINT
+
+
+@pytest.mark.parametrize("interval", ["step", "epoch"])
+def test_the_lightning_callback_lints_the_fits_schedule(tmp_path, interval):
+    """The lint traces the fit's configured scheduler from the LR it set for step 0, a step-
+    interval one every step, an epoch-interval one every epoch of steps (5 here)."""
+    import lightning.pytorch as pl
+
+    from trainguard.integrations.lightning import TrainguardCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_gpt2()
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            every = 1 if interval == "step" else 5
+            warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s * every / 20))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup, "interval": interval}}
+
+    config = tg.GuardConfig(console=False, diagnosis={"total_steps": 4000})
+    callback = TrainguardCallback(config)
+    lightning_fit(Module(), tmp_path, 3, callback, batches=5)
+    assert warmup_findings(callback.guard) == WARMUP_LINT
+
+
 @pytest.mark.parametrize("precision", ["no", "bf16"])
 def test_the_plain_guard_works_with_an_accelerate_prepared_model(tmp_path, precision):
     from accelerate import Accelerator

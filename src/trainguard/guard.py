@@ -70,6 +70,7 @@ class Guard:
 
     `step(loss)` replaces `clip_grad_norm_` + `optimizer.step()` + `scheduler.step()`;
     `observe(step, loss=...)` only watches numbers, for logging-only use and offline analysis.
+    `lint_scheduler`, a schedule a framework steps (not the guard), is what the lint traces.
     """
 
     def __init__(
@@ -81,6 +82,7 @@ class Guard:
         config: GuardConfig | None = None,
         run_dir: str | Path | None = None,
         sinks: Sequence[Sink] = (),
+        lint_scheduler: Any = None,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise TrainguardError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -182,7 +184,7 @@ class Guard:
         self._closed = False
         self.findings: list[Finding] = []
         if self.config.diagnosis.lint and model is not None and optimizer is not None:
-            self._lint()
+            self._lint(lint_scheduler if lint_scheduler is not None else scheduler)
 
     # -- the training loop ------------------------------------------------------------------
     def step(
@@ -294,15 +296,16 @@ class Guard:
                 detector.confirm_steps = 0 if self.rewinds_data else UNREWOUND_CONFIRM_STEPS
 
     # -- diagnosis ----------------------------------------------------------------------------
-    def _lint(self) -> None:
-        """Check the set-up once, before the first step; each finding is an info event."""
+    def _lint(self, scheduler: Any) -> None:
+        """Check the set-up once, before the first step, with `scheduler`'s LR schedule; each
+        finding is an info event."""
         assert self.model is not None
         cfg = self.config.diagnosis
         dtype = getattr(torch, cfg.autocast_dtype) if cfg.autocast_dtype else None
         self.findings = lint(
             self.model,
             self.optimizer,
-            self.scheduler,
+            scheduler,
             self.scaler,
             self.config.max_grad_norm,
             cfg.total_steps,

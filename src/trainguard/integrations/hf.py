@@ -85,10 +85,14 @@ class TrainguardCallback(TrainerCallback):
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         if self.guard is not None:  # a fit that ended in an error left it open
             self.guard.close()
-        self.guard = Guard(model, inner, config=config, run_dir=run_dir)
+        self._scheduler = kwargs.get("lr_scheduler")
+        schedule = getattr(self._scheduler, "scheduler", None)  # inside Accelerate's wrapper
+        if not isinstance(schedule, torch.optim.lr_scheduler.LRScheduler):
+            schedule = self._scheduler
+        # the lint traces the schedule the Trainer steps (the guard does not step it)
+        self.guard = Guard(model, inner, config=config, run_dir=run_dir, lint_scheduler=schedule)
         self._model = model
         self._hook = model.register_forward_hook(self._capture, with_kwargs=True)
-        self._scheduler = kwargs.get("lr_scheduler")
         # only data with a length is taken on past max_steps: a stream would start over
         loader = kwargs.get("train_dataloader")
         sized = loader is not None and has_length(loader)

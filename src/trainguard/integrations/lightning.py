@@ -3,6 +3,7 @@ state travels in Lightning's checkpoints."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import lightning.pytorch as pl
 from trainguard.config import GuardConfig
 from trainguard.events import TrainguardError, TrainingHalted
 from trainguard.guard import Guard
-from trainguard.integrations.schedules import ScheduleHistory
+from trainguard.integrations.schedules import PerStepSchedule, ScheduleHistory
 
 
 class TrainguardCallback(pl.Callback):
@@ -64,7 +65,13 @@ class TrainguardCallback(pl.Callback):
         Path(run_dir, "trainguard").mkdir(parents=True, exist_ok=True)
         if self.guard is not None:  # a fit that ended in an error left it open
             self.guard.close()
-        self.guard = Guard(pl_module, optimizer, config=config, run_dir=Path(run_dir, "trainguard"))
+        self.guard = Guard(
+            pl_module,
+            optimizer,
+            config=config,
+            run_dir=Path(run_dir, "trainguard"),
+            lint_scheduler=_lint_schedule(trainer),  # the fit steps its schedulers, not the guard
+        )
         if self._restored is not None:
             self._load(self._restored)
             self._restored = None
@@ -164,6 +171,24 @@ class TrainguardCallback(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard is not None and self.halted is None:
             self.guard.close()
+
+
+def _lint_schedule(trainer: pl.Trainer) -> PerStepSchedule | None:
+    """The fit's LR schedulers (ReduceLROnPlateau aside), configured by now, each stepped every
+    `frequency` optimizer steps or epochs (an epoch's steps where its batches are counted)."""
+    batches = trainer.num_training_batches
+    per_epoch = (
+        math.ceil(batches / trainer.accumulate_grad_batches) if batches != float("inf") else None
+    )
+    cadence = []
+    for config in trainer.lr_scheduler_configs:
+        if config.reduce_on_plateau:
+            continue
+        if config.interval == "step":
+            cadence.append((config.scheduler, config.frequency))
+        elif per_epoch:
+            cadence.append((config.scheduler, config.frequency * per_epoch))
+    return PerStepSchedule(cadence) if cadence else None
 
 
 def _planned_steps(trainer: pl.Trainer) -> int | None:

@@ -1,5 +1,6 @@
 """`ScheduleHistory`: a framework's LR schedulers as they stood before each guard step a
-rollback can reach, so a rollback puts the schedule back with the weights."""
+rollback can reach, so a rollback puts the schedule back with the weights; `PerStepSchedule`:
+schedulers that step at their own cadence, as the lint traces them."""
 
 from __future__ import annotations
 
@@ -49,3 +50,43 @@ class ScheduleHistory:
         for scheduler, state in zip(self.schedulers, saved, strict=True):
             scheduler.load_state_dict(copy.deepcopy(state))
         return True
+
+
+class PerStepSchedule:
+    """LR schedulers that each step every `every` optimizer steps (Lightning's interval and
+    frequency) behind one `step()` per optimizer step, with a `state_dict`: the run's schedule
+    as the lint traces it."""
+
+    def __init__(self, schedulers: list[tuple[Any, int]]) -> None:
+        self.schedulers = schedulers
+        self.steps = 0
+
+    def step(self) -> None:
+        self.steps += 1
+        for scheduler, every in self.schedulers:
+            if self.steps % every == 0:
+                scheduler.step()
+
+    @property
+    def last_epoch(self) -> int:
+        return self.steps
+
+    @property
+    def total_steps(self) -> int | None:
+        """The optimizer steps after which a scheduler with its own `total_steps` (OneCycleLR,
+        which raises past it) would be stepped past it; None without one."""
+        ends = [
+            self.steps + (scheduler.total_steps - scheduler.last_epoch) * every
+            for scheduler, every in self.schedulers
+            if isinstance(getattr(scheduler, "total_steps", None), int)
+            and isinstance(getattr(scheduler, "last_epoch", None), int)
+        ]
+        return min(ends, default=None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "schedulers": [s.state_dict() for s, _ in self.schedulers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        for (scheduler, _), saved in zip(self.schedulers, state["schedulers"], strict=True):
+            scheduler.load_state_dict(saved)
