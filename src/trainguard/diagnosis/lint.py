@@ -286,14 +286,8 @@ def _is_post_ln(block: nn.Module) -> bool:
     not flagged, nor DeepNorm's `norm(alpha x + f(x))`, alpha > 1)."""
     if isinstance(block, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
         return not block.norm_first
-    params = list(inspect.signature(block.forward).parameters.values())[1:]
-    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    defaults = {p.name: p.default for p in params if p.kind in keyword and p.default is not p.empty}
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            graph = _NormTracer().trace(block, concrete_args=defaults)
-    except Exception:  # control flow on tensors, *args wrappers, ...: not known to be post-LN
+    graph = _trace(block)
+    if graph is None:
         return False
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     out = next(n for n in graph.nodes if n.op == "output").args[0]
@@ -303,6 +297,22 @@ def _is_post_ln(block: nn.Module) -> bool:
         return False
     summed = out.args[0] if out.args else None
     return isinstance(summed, torch.fx.Node) and _is_residual_sum(summed, inputs[0])
+
+
+def _trace(block: nn.Module) -> torch.fx.Graph | None:
+    """The block's forward as an fx graph, its optional arguments at their defaults; None where
+    it does not trace (control flow on tensors, *args wrappers, ...)."""
+    try:
+        params = list(inspect.signature(block.forward).parameters.values())[1:]
+        keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        defaults = {
+            p.name: p.default for p in params if p.kind in keyword and p.default is not p.empty
+        }
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _NormTracer().trace(block, concrete_args=defaults)
+    except Exception:
+        return None
 
 
 def _is_norm_node(node: torch.fx.Node, block: nn.Module) -> bool:
