@@ -121,8 +121,8 @@ def test_persistent_nan_halts_with_diagnosis_after_flushing(tmp_path):
     assert info.value.decision.action == "halt"
     assert "non-finite" in info.value.diagnosis and "step 5" in info.value.diagnosis
     events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] != "lint"]
-    assert [e["kind"] for e in events] == ["nonfinite"] * 5 + ["halt"]
-    assert events[-1]["message"] == info.value.diagnosis
+    assert [e["kind"] for e in events] == ["nonfinite"] * 5 + ["halt", "run_closed"]
+    assert events[-2]["message"] == info.value.diagnosis
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 

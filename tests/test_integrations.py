@@ -280,7 +280,7 @@ def test_a_halt_stops_the_hf_trainer_with_the_diagnosis(tmp_path):
     assert callback.halted is not None and "halted the run at step 29" in str(callback.halted)
     assert trainer.state.global_step == NAN_CALL
     kinds = [e["kind"] for e in events(tmp_path / "trainguard" / "events.jsonl")]
-    assert kinds[-1] == "halt"
+    assert kinds[-2:] == ["halt", "run_closed"]
 
 
 class Run(Faults):
@@ -453,7 +453,7 @@ def test_a_halt_stops_the_lightning_fit_with_the_diagnosis(tmp_path):
     assert callback.halted is not None and "halted the run at step 29" in str(callback.halted)
     assert trainer.global_step <= NAN_CALL
     kinds = [e["kind"] for e in events(tmp_path / "trainguard" / "events.jsonl")]
-    assert kinds[-1] == "halt"
+    assert kinds[-2:] == ["halt", "run_closed"]
 
 
 class Burst:

@@ -99,7 +99,8 @@ def test_persistent_fault_halts_after_escalation_with_a_diagnosis(tmp_path):
     assert 1 <= len(rollbacks) <= 5
     factors = [r["metrics"]["lr_scale"] for r in rollbacks]
     assert factors == sorted(factors, reverse=True)  # each rollback lowers the LR further
-    assert events[-1]["kind"] == "halt" and out.halted.diagnosis in events[-1]["message"]
+    assert [e["kind"] for e in events[-2:]] == ["halt", "run_closed"]
+    assert out.halted.diagnosis in events[-2]["message"]
 
 
 def test_without_the_guard_the_same_faults_do_lasting_damage(clean):

@@ -40,6 +40,7 @@ EVENT_KINDS: tuple[str, ...] = (
     "checkpoint",
     "resume",
     "halt",
+    "run_closed",
 )
 SPIKE_TYPES: tuple[str, ...] = ("gradient_explosion", "data_toxicity", "optimizer", "architecture")
 SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}

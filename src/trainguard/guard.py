@@ -1282,8 +1282,8 @@ class Guard:
         )
 
     def close(self) -> None:
-        """Flush and close every sink and release the run folder; the guard stays usable for
-        `state_dict`."""
+        """Record a `run_closed` event, flush and close every sink and release the run folder;
+        the guard stays usable for `state_dict`."""
         if self._closed:
             return
         self._closed = True
@@ -1291,6 +1291,14 @@ class Guard:
             self.checkpoints.wait()
             for error in self._checkpoint_errors():
                 self._warn(error)
+        self._emit(  # how `trainguard watch` tells a finished run from one that was killed
+            Event(
+                step=self.global_step,
+                kind="run_closed",
+                severity="info",
+                message=f"the run closed at step {self.global_step}",
+            )
+        )
         self._release_outputs()
 
     def _release_outputs(self) -> None:
