@@ -14,6 +14,7 @@ from rich.markup import escape
 
 from trainguard import __version__
 from trainguard.analysis.formats import names as format_names
+from trainguard.analysis.watch import QUIET_STEPS
 from trainguard.config import GuardConfig
 from trainguard.events import TrainguardError
 
@@ -227,14 +228,24 @@ def report(
 
 @app.command()
 def watch(
-    run_dir: Annotated[Path, typer.Argument(help="The run directory of a running job.")],
+    run_dir: Annotated[
+        Path,
+        typer.Argument(help="The run directory of a running job (waited for until it exists)."),
+    ],
     refresh: Annotated[float, typer.Option(help="Seconds between reads of its files.")] = 1.0,
     duration: Annotated[
         float | None, typer.Option(help="Stop after this many seconds (default: until Ctrl-C).")
     ] = None,
+    quiet_steps: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Steps without a new warning or critical event after which health is back."
+        ),
+    ] = QUIET_STEPS,
 ) -> None:
     """A live terminal dashboard of a running job: step, loss and grad-norm sparklines, health,
-    the latest incidents. Stops by itself when the run halts."""
+    the latest incidents. Waits for RUN_DIR to appear; stops by itself when the run halts or
+    closes."""
     import math
     import time
 
@@ -251,15 +262,16 @@ def watch(
         raise TrainguardError(f"--duration must be a number of seconds >= 0, got {duration}")
     if duration is not None and math.isinf(duration):
         duration = None  # forever, as without it
-    if not run_dir.is_dir():
+    if run_dir.exists() and not run_dir.is_dir():
         raise TrainguardError(f"{run_dir} is not a directory: give the run_dir of a Guard")
-    watcher = RunWatcher(run_dir)
+    watcher = RunWatcher(run_dir, quiet_steps=quiet_steps)
     start = time.monotonic()
     with Live(watcher.render(), console=Console(), refresh_per_second=4) as live:
         while True:
             watcher.poll()
             live.update(watcher.render())
-            if watcher.halted or (duration is not None and time.monotonic() - start >= duration):
+            stop = duration is not None and time.monotonic() - start >= duration
+            if watcher.halted or watcher.finished or stop:
                 break
             time.sleep(refresh)
 

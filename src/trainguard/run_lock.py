@@ -137,6 +137,22 @@ def _in_use(run_dir: Path, holder: dict[str, Any]) -> str:
     return f"{run_dir} is in use by {who}: give each run its own run_dir, or stop the other one"
 
 
+def local_holder(run_dir: Path) -> tuple[int, bool] | None:
+    """The pid a Guard on this host wrote into `run_dir`'s lock and has not released, and whether
+    that process still lives (a run killed before `close()` leaves its pid there; `release`
+    empties the file); None when there is none, or it ran on another host."""
+    try:
+        holder = json.loads((run_dir / LOCK_NAME).read_bytes()[:4096])
+    except (OSError, ValueError):
+        return None
+    if not isinstance(holder, dict) or holder.get("host") != socket.gethostname():
+        return None
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return None
+    return pid, _alive(pid)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
