@@ -2,6 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RUNTIME_STAMP := $(VENV)/.installed-runtime
 
 CHROMIUM ?= /usr/bin/chromium
 
@@ -14,6 +15,13 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
+
+# The demo needs only trainguard's runtime dependencies (torch, plotly for its report, ...), not
+# the dev tools; pip's own lines (not --quiet) show the install's progress.
+$(RUNTIME_STAMP): $(BIN)/python pyproject.toml constraints.txt
+	@echo "installing trainguard and its runtime dependencies into $(VENV)"
+	$(BIN)/python -m pip install -c constraints.txt -e .
+	touch $(RUNTIME_STAMP)
 
 # The report tests drive Debian's chromium headless; install it where it is missing.
 chromium:
@@ -29,7 +37,7 @@ test: $(STAMP) chromium
 	$(BIN)/mypy
 	$(BIN)/pytest
 
-demo: $(STAMP)
+demo: $(RUNTIME_STAMP)
 	$(BIN)/trainguard demo
 
 bench: $(STAMP)

@@ -47,6 +47,8 @@ def test_demo_recovers_from_the_four_planted_incidents(tmp_path):
     out = run("demo", "--steps", "200", "--run-dir", str(tmp_path / "demo"))
     assert out.returncode == 0, out.stderr
     text = out.stdout
+    progress = [line for line in text.splitlines() if line.startswith("demo ")]
+    assert progress and "guarded step 200/200" in progress[-1]  # plain lines: not a terminal
     for incident in ("toxic batch", "LR blow-up", "NaN in blocks.1.mlp", "divergence"):
         row = next(line for line in text.splitlines() if incident in line and "step" in line)
         assert "not detected" not in row and "not reached" not in row, row

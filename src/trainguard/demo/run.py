@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,8 @@ BATCH, SEQ = 16, 64
 OUTCOME_AFTER = 30  # steps after the detection at which the outcome is read
 SPARE = 200  # batches beyond `steps` for the guard to skip and replay
 RUNS = ("clean", "unguarded", "guarded")
+PROGRESS_EVERY_S = 5.0  # seconds between progress lines when the output is not a terminal
+MAX_TOLD = 3  # guard actions named on one progress line
 
 
 @dataclass(frozen=True)
@@ -127,36 +130,15 @@ def run_demo(
     for name, where in plan.rows():
         table.add_row(name, where)
     console.print(table)
-    columns = (
-        TextColumn("{task.description:>9}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TextColumn("loss {task.fields[loss]:>7.3f}"),
-        TextColumn("{task.fields[note]}"),
-        TimeElapsedColumn(),
-    )
     loops = {
         "clean": _train(runs["clean"], clean, steps, Fault()),
         "unguarded": _train(runs["unguarded"], faulty, steps, plan.fault),
         "guarded": _train(runs["guarded"], faulty, steps, plan.fault),
     }
-    with Progress(*columns, console=console) as progress:
-        tasks = {
-            name: progress.add_task(name, total=steps, loss=math.nan, note="") for name in RUNS
-        }
-        while loops:
-            for name in list(loops):
-                step = next(loops[name], None)
-                if step is None:
-                    del loops[name]
-                    continue
-                run = runs[name]
-                note = ""
-                if run.decisions and run.decisions[-1][1].action != "step":
-                    note = run.decisions[-1][1].action
-                progress.update(
-                    tasks[name], completed=step, loss=run.losses.get(step - 1, math.nan), note=note
-                )
+    if console.is_terminal:
+        _progress_bars(loops, runs, steps, console)
+    else:  # a pipe or a file (`make demo | tee log`): live bars would show nothing until the end
+        _progress_lines(loops, runs, steps, console)
     evals = list(corpus.batches(32, SEQ, 8, seed=999, held_out=True))
     for run in runs.values():
         run.eval_loss = _evaluate(run.model, evals)
@@ -167,6 +149,102 @@ def run_demo(
     console.print(_final_table(runs))
     console.print(_verdict(runs, run_dir, report))
     return result
+
+
+def _interleaved(loops: dict[str, Iterator[int]]) -> Iterator[tuple[str, int]]:
+    """One iteration of each run in turn until every run is done: the run's name and its
+    optimizer steps so far."""
+    going = dict(loops)
+    while going:
+        for name in list(going):
+            step = next(going[name], None)
+            if step is None:
+                del going[name]
+                continue
+            yield name, step
+
+
+def _progress_bars(
+    loops: dict[str, Iterator[int]], runs: dict[str, DemoRun], steps: int, console: Console
+) -> None:
+    """Train the runs under one live progress bar each, for a terminal."""
+    columns = (
+        TextColumn("{task.description:>9}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]:>7.3f}"),
+        TextColumn("{task.fields[note]}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console) as progress:
+        tasks = {
+            name: progress.add_task(name, total=steps, loss=math.nan, note="") for name in runs
+        }
+        for name, step in _interleaved(loops):
+            run = runs[name]
+            note = ""
+            if run.decisions and run.decisions[-1][1].action != "step":
+                note = run.decisions[-1][1].action
+            progress.update(
+                tasks[name], completed=step, loss=run.losses.get(step - 1, math.nan), note=note
+            )
+
+
+def _progress_lines(
+    loops: dict[str, Iterator[int]],
+    runs: dict[str, DemoRun],
+    steps: int,
+    console: Console,
+    every_s: float = PROGRESS_EVERY_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Train the runs, printing a plain line every `every_s` seconds and at the end: each run's
+    step and loss, and what the guard did since the line before."""
+    start = last = clock()
+    done = dict.fromkeys(runs, 0)
+    shown: dict[str, int] = {}  # the steps on the line before
+    said = 0  # the guarded run's decisions already told
+    for name, step in _interleaved(loops):
+        done[name] = step
+        if clock() - last >= every_s:
+            last = clock()
+            said = _say_progress(runs, done, steps, last - start, said, console)
+            shown = dict(done)
+    if done != shown:
+        _say_progress(runs, done, steps, clock() - start, said, console)
+
+
+def _say_progress(
+    runs: dict[str, DemoRun],
+    done: dict[str, int],
+    steps: int,
+    elapsed_s: float,
+    said: int,
+    console: Console,
+) -> int:
+    """Print one progress line; returns how many of the guarded run's decisions are told."""
+    figures = []
+    for name, run in runs.items():
+        loss = run.losses.get(done[name] - 1, math.nan)
+        figures.append(f"{name} step {done[name]}/{steps} loss {loss:.3f}")
+    line = f"demo {elapsed_s:4.0f} s: " + " | ".join(figures)
+    guarded = runs.get("guarded")
+    if guarded is not None:
+        news = [d for _, d in guarded.decisions[said:] if d.action != "step"]
+        said = len(guarded.decisions)
+        told = [f"{d.action} at step {d.step}{_kinds(d)}" for d in news[:MAX_TOLD]]
+        if len(news) > MAX_TOLD:
+            told.append(f"and {len(news) - MAX_TOLD} more")
+        if told:
+            line += "; guarded: " + ", ".join(told)
+    console.print(line, markup=False, highlight=False, soft_wrap=True)
+    return said
+
+
+def _kinds(decision: tg.Decision) -> str:
+    """The kinds of a decision's events, in brackets; empty when it has none."""
+    kinds = dict.fromkeys(e.kind for e in decision.events)
+    return f" ({', '.join(kinds)})" if kinds else ""
 
 
 def _clear(run_dir: Path) -> None:

@@ -1,0 +1,45 @@
+"""The demo's progress when its output is not a terminal (`make demo | tee log`)."""
+
+from __future__ import annotations
+
+import io
+import itertools
+from collections.abc import Iterator
+
+import torch
+from rich.console import Console
+
+import trainguard as tg
+from trainguard.demo.run import DemoRun, _progress_lines
+
+
+def fake_run(run: DemoRun, steps: int, skip_at: int | None = None) -> Iterator[int]:
+    """A run's loop as `_train` drives it: the loss logged per step, the guard's decisions."""
+    for step in range(steps):
+        run.losses[step] = 3.0 - step * 0.1
+        if run.name == "guarded" and step == skip_at:
+            spike = tg.Event(step, "loss_spike", "critical", "a spike")
+            run.decisions.append((step, tg.Decision(step, "skip", [spike])))
+        elif run.name == "guarded":
+            run.decisions.append((step, tg.Decision(step, "step")))
+        yield step + 1
+
+
+def test_progress_is_a_plain_line_every_few_seconds_when_not_a_terminal():
+    model = torch.nn.Linear(2, 2)
+    runs = {
+        name: DemoRun(name, model, torch.optim.SGD(model.parameters()))
+        for name in ("clean", "unguarded", "guarded")
+    }
+    loops = {name: fake_run(run, 10, skip_at=3) for name, run in runs.items()}
+    out = io.StringIO()
+    console = Console(file=out, width=80)  # a file: not a terminal
+    assert not console.is_terminal
+    seconds = itertools.count()  # each look at the clock: one second later
+    _progress_lines(loops, runs, 10, console, every_s=5.0, clock=lambda: float(next(seconds)))
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 3  # during the run, not only at its end
+    assert all(line.startswith("demo ") and "\x1b" not in line for line in lines)  # plain text
+    assert "clean step 10/10 loss 2.100" in lines[-1] and "guarded step 10/10" in lines[-1]
+    told = [line for line in lines if "guarded: skip at step 3 (loss_spike)" in line]
+    assert len(told) == 1  # said once, on the first line after it
