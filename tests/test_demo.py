@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 
 import trainguard as tg
-from trainguard.demo.run import DemoRun, _progress_lines
+from trainguard.demo.run import DemoRun, _actions, _progress_lines
 
 
 def fake_run(run: DemoRun, steps: int, skip_at: int | None = None) -> Iterator[int]:
@@ -43,3 +43,15 @@ def test_progress_is_a_plain_line_every_few_seconds_when_not_a_terminal():
     assert "clean step 10/10 loss 2.100" in lines[-1] and "guarded step 10/10" in lines[-1]
     told = [line for line in lines if "guarded: skip at step 3 (loss_spike)" in line]
     assert len(told) == 1  # said once, on the first line after it
+
+
+def test_a_rollback_that_feeds_its_batches_again_is_not_said_to_skip_any():
+    def rollback(skipped: list[int] | None) -> tg.Decision:
+        metrics = {"to_step": 150, "lr_factor": 1.0, "skipped_batches": skipped}
+        event = tg.Event(166, "rollback", "warning", "rolled back", metrics=metrics)
+        return tg.Decision(166, "rollback", [event])
+
+    assert _actions([rollback(None)], []) == "rollback to step 150, LR x1, none skipped"
+    assert _actions([rollback([321, 327])], []) == (
+        "rollback to step 150, LR x1, batches 321-326 skipped"
+    )

@@ -347,14 +347,16 @@ def _type_of(alarm: tg.Event, events: list[tg.Event]) -> str:
 
 
 def _actions(window: list[tg.Decision], events: list[tg.Event]) -> str:
+    """What the guard did over an incident's steps, in a few words."""
     said = []
     for d in window:
         if d.action == "rollback":
             rollback = next(e for e in d.events if e.kind == "rollback")
-            first, end = rollback.metrics.get("skipped_batches") or (0, 0)
+            skipped = rollback.metrics.get("skipped_batches")  # None: its batches are fed again
+            data = f"batches {skipped[0]}-{skipped[1] - 1} skipped" if skipped else "none skipped"
             said.append(
                 f"rollback to step {rollback.metrics['to_step']}, LR x"
-                f"{rollback.metrics['lr_factor']:.2g}, batches {first}-{end - 1} skipped"
+                f"{rollback.metrics['lr_factor']:.2g}, {data}"
             )
         elif d.action in ("skip", "halt") and (not said or said[-1] != d.action):
             said.append(d.action)
