@@ -22,7 +22,14 @@ def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]
     assert EXE, "the trainguard console script is not installed in this environment"
     env = {**os.environ, "COLUMNS": "200"}  # rich wraps at the terminal width
     return subprocess.run(
-        [EXE, *args], capture_output=True, text=True, timeout=300, cwd=cwd, check=False, env=env
+        # a guard against a hang, not a speed check: a loaded machine runs the demo for minutes
+        [EXE, *args],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=cwd,
+        check=False,
+        env=env,
     )
 
 
