@@ -295,7 +295,7 @@ def test_a_warning_alone_never_quarantines_its_follow_up_does_and_a_revision_rel
     assert explosion.quarantine_step is None
 
 
-def test_a_spike_that_only_clears_a_ratio_is_skipped_but_never_held_for_quarantine():
+def test_a_spike_under_the_z_threshold_is_skipped_but_never_held_for_quarantine():
     policy = StepPolicy()
     weak = policy.decide(
         MetricPoint(10, 0.6), [spike(10, "loss_spike", "data_toxicity", z=1.3)], True
@@ -305,6 +305,16 @@ def test_a_spike_that_only_clears_a_ratio_is_skipped_but_never_held_for_quaranti
         MetricPoint(15, 0.3), [spike(15, "spike_classified", "data_toxicity", spike_step=10)], True
     )
     assert later.quarantine_step is None
+    # a clean noisy regression's hard batch: 3x the mean, z 5.7 (over the ratio rule's floor of
+    # 5, under the z rule's 10); skipped, but its confirmation takes nothing away for good
+    hard = spike(20, "loss_spike", "data_toxicity", z=5.7)
+    hard.metrics.update(rule="ratio", ratio_min_z=5.0, ratio=3.0)
+    onset = policy.decide(MetricPoint(20, 0.27), [hard], True)
+    assert onset.action == "skip" and not onset.suspect
+    confirmed = policy.decide(
+        MetricPoint(25, 0.06), [spike(25, "spike_classified", "data_toxicity", spike_step=20)], True
+    )
+    assert confirmed.quarantine_step is None
 
 
 def test_a_confirmed_explosion_without_a_snapshot_before_it_cuts_the_lr_once():

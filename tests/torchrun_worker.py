@@ -54,7 +54,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         loss = nn.functional.mse_loss(ddp(x), y)
         if rank == 0 and step == 25:
-            loss = loss * 40.0  # a toxic batch: skipped and quarantined
+            loss = loss * 400.0  # a toxic batch, far over the noise: skipped and quarantined
         opt.zero_grad(set_to_none=True)
         loss.backward()
         guard.step(loss, batch_ids=[f"r{rank}-b{i}"])

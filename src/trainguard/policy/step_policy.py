@@ -18,14 +18,12 @@ TargetCheck = Callable[[int], bool]  # whether a rollback target exists for an i
 
 
 def clears_noise(event: Event) -> bool:
-    """Whether a loss spike's jump cleared the noise: z over its threshold, or a spike of the
-    ratio rule with z over the ratio rule's own floor; True for an event that does not say."""
+    """Whether a loss spike's jump cleared the noise: z over the z rule's threshold, whichever
+    rule raised it (the ratio rule's lower floor of z is enough to skip a step, not to take a
+    batch away for good); True for an event that does not say."""
     z, threshold = event.metrics.get("z_score"), event.metrics.get("z_threshold")
     if not isinstance(z, (int, float)) or not isinstance(threshold, (int, float)):
         return True
-    floor = event.metrics.get("ratio_min_z")
-    if event.metrics.get("rule") == "ratio" and isinstance(floor, (int, float)):
-        threshold = min(threshold, floor)
     return bool(z >= threshold)  # a NaN z clears nothing
 
 
