@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -146,27 +147,15 @@ def test_the_hf_callback_lints_the_trainers_schedule(tmp_path):
 def test_the_lightning_callback_lints_the_fits_schedule(tmp_path, interval):
     """The lint traces the fit's configured scheduler from the LR it set for step 0, a step-
     interval one every step, an epoch-interval one every epoch of steps (5 here)."""
-    import lightning.pytorch as pl
-
     from trainguard.integrations.lightning import TrainguardCallback
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = tiny_gpt2()
-
-        def training_step(self, batch, batch_idx):
-            return self.model(input_ids=batch, labels=batch).loss
-
-        def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
-            every = 1 if interval == "step" else 5
-            warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s * every / 20))
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup, "interval": interval}}
-
+    every = 1 if interval == "step" else 5
+    module = lightning_module(
+        lr=1e-3, schedule=lambda s: min(1.0, s * every / 20), interval=interval
+    )
     config = tg.GuardConfig(console=False, diagnosis={"total_steps": 4000})
     callback = TrainguardCallback(config)
-    lightning_fit(Module(), tmp_path, 3, callback, batches=5)
+    lightning_fit(module, tmp_path, 3, callback, batches=5)
     assert warmup_findings(callback.guard) == WARMUP_LINT
 
 
@@ -198,20 +187,35 @@ def test_the_plain_guard_works_with_an_accelerate_prepared_model(tmp_path, preci
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def lightning_module(faults: Faults):
+def lightning_module(
+    faults: Faults | None = None,
+    lr: float = 3e-3,
+    schedule: Callable[[int], float] | None = None,
+    interval: str = "step",
+):
+    """A tiny GPT-2 LightningModule with AdamW at `lr`, the `faults` hook on its forward, and a
+    LambdaLR of `schedule` stepped every `interval` when given."""
     import lightning.pytorch as pl
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.model = tiny_gpt2()
-            self.model.register_forward_hook(faults, with_kwargs=True)
+            if faults is not None:
+                self.model.register_forward_hook(faults, with_kwargs=True)
 
         def training_step(self, batch, batch_idx):
             return self.model(input_ids=batch, labels=batch).loss
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+            opt = torch.optim.AdamW(self.parameters(), lr=lr)
+            if schedule is None:
+                return opt
+            scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+            return {
+                "optimizer": opt,
+                "lr_scheduler": {"scheduler": scheduler, "interval": interval},
+            }
 
     return Module()
 
@@ -401,19 +405,6 @@ def test_a_lightning_fit_makes_up_the_steps_a_rollback_undid_with_its_schedule_p
 
     from trainguard.integrations.lightning import TrainguardCallback
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = tiny_gpt2()
-
-        def training_step(self, batch, batch_idx):
-            return self.model(input_ids=batch, labels=batch).loss
-
-        def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
-            linear = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / 70))
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": linear, "interval": "step"}}
-
     class Corrupt(pl.Callback):  # a write of x1000 to a layer's weights before step 40
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_step == 40:
@@ -423,7 +414,13 @@ def test_a_lightning_fit_makes_up_the_steps_a_rollback_undid_with_its_schedule_p
     config = tg.GuardConfig.from_dict({"console": False, "recovery": {"snapshot_every": 10}})
     callback = TrainguardCallback(config)
     trainer = lightning_fit(
-        Module(), tmp_path, 70, callback, extra=[Corrupt()], batches=100, clip=None
+        lightning_module(schedule=lambda s: max(0.0, 1 - s / 70)),
+        tmp_path,
+        70,
+        callback,
+        extra=[Corrupt()],
+        batches=100,
+        clip=None,
     )
     found = events(tmp_path / "trainguard" / "events.jsonl")
     (rollback,) = [e for e in found if e["kind"] == "rollback"]
