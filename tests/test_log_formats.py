@@ -63,6 +63,14 @@ EXPECTED = [
         1,
     ),
     (
+        "wandb_csv/chatterbox_tts_run_history_export_step_runtime.csv",
+        "wandb_csv",
+        41,
+        (1, 0.17817425727844238),
+        {"lr"},
+        8,
+    ),
+    (
         "torchtitan/torchtitan_ansi_resume_from_step12500_with_validate.log",
         "torchtitan",
         152,
@@ -170,6 +178,37 @@ def test_a_wandb_panel_export_is_judged_run_by_run(tmp_path):
     assert report.returncode == 0 and str(runs[5].run) in page.read_text()
     refused = cli("report", str(log), "-o", str(page))
     assert refused.returncode == 2 and "holds 8 runs" in refused.stderr
+
+
+def test_a_wandb_run_history_export_reads_its_loss_spike():
+    """A run's history as `run.history().to_csv()` writes it: an unnamed index column, `_step`,
+    `train/loss` empty on the first row (only `trainable_parameters` was logged then), and
+    `eval/loss` every 5 steps. Its loss jumps 2.6x at step 37: analyze says so, exit 1."""
+    log = LOGS / "wandb_csv/chatterbox_tts_run_history_export_step_runtime.csv"
+    data = read_log(log)
+    assert data.loss[data.steps == 37][0] == pytest.approx(0.49679362773895264)
+    assert list(data.evals["step"]) == [5, 10, 15, 20, 25, 30, 35, 40]
+    assert data.extra["lr"][0] == 0.0 and data.extra["lr"][-1] == pytest.approx(1.0133e-05, 1e-4)
+    spikes = [e for e in analyze(data).events if e.kind == "loss_spike"]
+    assert [e.step for e in spikes] == [37]
+    assert cli("analyze", str(log)).returncode == 1
+
+
+def test_a_megatron_log_whose_training_starts_again_keeps_the_last_pass():
+    """One Slurm log of four passes of the same 300-iteration training, each from iteration 1
+    (the excerpt keeps the first pass's iterations 1-7 and 298-300, the second's 1-8): the
+    second pass's rows are the run's, the first pass's rows of the same steps kept apart."""
+    log = LOGS / "megatron/megatron_lm_4_passes_restart_from_iteration_1_srun_prefixed.log"
+    data = read_log(log)
+    assert data.format == "megatron"
+    assert list(data.steps) == [1, 2, 3, 4, 5, 6, 7, 8, 298, 299, 300]
+    assert list(data.abandoned["step"]) == [1, 2, 3, 4, 5, 6, 7]
+    assert data.loss[0] == pytest.approx(12.17229)  # the second pass's iteration 1
+    assert data.abandoned["loss"][0] == pytest.approx(12.17231)  # the first pass's
+    assert data.loss[-1] == pytest.approx(4.317102)
+    assert data.warnings == [
+        "steps were unsorted or repeated: sorted, keeping the last row per step"
+    ]
 
 
 def test_format_forces_a_reader_and_an_unknown_one_is_listed():
