@@ -95,6 +95,14 @@ EXPECTED = [
         3,
     ),
     (
+        "nemo/nemo2_evo2_finetune_stdout_notebook_export.log",
+        "nemo",
+        10,
+        (0, 1.371),
+        {"lr"},
+        1,
+    ),
+    (
         "nanogpt/nanogpt_train_py_stdout_keyboardinterrupt.log",
         "nanogpt",
         255,
@@ -319,6 +327,32 @@ def test_a_lightning_lr_logged_on_rows_of_its_own_is_read_per_step(tmp_path):
     assert data.format == "lightning_csv" and list(data.steps) == [0, 1, 2]
     assert list(data.extra["lr"]) == [0.001, 0.001, 0.0005]
     assert list(data.evals["loss"]) == [2.6] and not data.warnings
+
+
+def test_a_nemo2_log_is_nemo_and_its_evaluation_is_counted_once():
+    """NeMo 2 prints `Training epoch 0, iteration N/M | lr: X | global_step: N |
+    reduced_train_loss: X | ... | val_loss: X`, the last evaluation's loss repeated on every later
+    line (a BioNeMo Evo2 fine-tune's stdout): read as nemo, not as a Megatron `iteration N/M |`
+    line; the repeated val_loss is one evaluation, and a checkpoint's name
+    (`evo2--val_loss=0.0000-epoch=0-...ckpt`) is none."""
+    data = read_log(LOGS / "nemo/nemo2_evo2_finetune_stdout_notebook_export.log")
+    assert data.format == "nemo" and list(data.steps) == list(range(10))
+    assert list(data.loss[:3]) == [1.371, 1.37, 1.259]
+    assert list(data.extra["lr"][4:7]) == [8e-05, 0.0001, 3e-05]
+    assert list(data.evals["step"]) == [5] and list(data.evals["loss"]) == [1.264]
+
+
+def test_a_nemo_checkpoint_name_is_no_training_row_nor_evaluation(tmp_path):
+    log = tmp_path / "nemo.log"
+    log.write_text(
+        "Epoch 0: 10it [reduced_train_loss=3.1, global_step=9.00, val_loss=3.3]\n"
+        "saving megatron_gpt--val_loss=2.80-step=9-consumed_samples=80.0.ckpt\n"
+        "restored nemo2_sft--reduced_train_loss=0.0801-epoch=3-step=2175-last\n"
+        "Epoch 0: 11it [reduced_train_loss=3.0, global_step=10.00, val_loss=3.3]\n"
+    )
+    data = read_log(log)
+    assert list(data.steps) == [9, 10] and list(data.loss) == [3.1, 3.0]
+    assert list(data.evals["loss"]) == [3.3]
 
 
 def test_nemo_redraws_keep_the_fields_a_later_draw_lacks(tmp_path):

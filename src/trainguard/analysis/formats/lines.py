@@ -3,6 +3,7 @@ its training lines and its evaluation lines."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -25,12 +26,14 @@ Row = dict[str, str]  # a line's values: step, loss, and any of FIELDS
 @dataclass
 class ParsedLines:
     """Training rows and evaluation rows, in file order; a row printed again for the same step
-    right after (a progress bar's redraw) replaces the one before."""
+    right after (a progress bar's redraw) replaces the one before. With `repeats_last_eval`, an
+    evaluation's loss printed again unchanged on later lines is that evaluation, not a new one."""
 
     rows: dict[str, list[float]] = field(
         default_factory=lambda: {k: [] for k in ("step", "loss", *FIELDS)}
     )
     evals: dict[str, list[float]] = field(default_factory=lambda: {"step": [], "loss": []})
+    repeats_last_eval: bool = False
 
     def add(self, row: Row) -> None:
         step = float(row["step"])
@@ -45,11 +48,14 @@ class ParsedLines:
 
     def add_eval(self, row: Row) -> None:
         step = float(row["step"]) if "step" in row else self.last_step
+        loss = value_of(row["loss"])
+        if self.repeats_last_eval and self.evals["loss"] and _same(self.evals["loss"][-1], loss):
+            return
         if self.evals["step"] and self.evals["step"][-1] == step:
-            self.evals["loss"][-1] = value_of(row["loss"])
+            self.evals["loss"][-1] = loss
             return
         self.evals["step"].append(step)
-        self.evals["loss"].append(value_of(row["loss"]))
+        self.evals["loss"].append(loss)
 
     @property
     def last_step(self) -> float:
@@ -61,7 +67,8 @@ class LineFormat:
     """A text log. `train` matches a training line (groups `step` and `loss`); `fields` find
     grad_norm, lr or loss_scale on it (or the step, printed apart from the loss); `evals` match
     an evaluation line (`loss`, and `step` unless it is the last training step's); `adjust` may
-    rewrite a matched row from its line, or drop it (None)."""
+    rewrite a matched row from its line, or drop it (None); `repeats_last_eval` says the format
+    prints its last evaluation's loss again on every later line (NeMo's)."""
 
     name: str
     description: str
@@ -69,6 +76,7 @@ class LineFormat:
     fields: dict[str, re.Pattern[str]] = field(default_factory=dict)
     evals: tuple[re.Pattern[str], ...] = ()
     adjust: Callable[[Row, str], Row | None] | None = None
+    repeats_last_eval: bool = False
 
     def sniff(self, path: Path, head: str) -> int:
         """How many lines of `head` are this format's (at most MOST_SURE)."""
@@ -86,7 +94,7 @@ class LineFormat:
     def parse_lines(self, lines: Iterable[str]) -> ParsedLines:
         """The rows of `lines` (as a file opened with newline="" yields them: split at \r too,
         ends kept)."""
-        out = ParsedLines()
+        out = ParsedLines(repeats_last_eval=self.repeats_last_eval)
         for line in lines:
             line = line.rstrip("\r\n")
             if not line.strip() or len(line) > MAX_LINE:
@@ -150,6 +158,10 @@ class LineFormat:
 
     def log_format(self) -> LogFormat:
         return LogFormat(self.name, self.description, self.sniff, self.read)
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 def value_of(text: str | None) -> float:

@@ -36,7 +36,8 @@ def _adjust(row: Row, line: str) -> Row | None:
 FORMAT = LineFormat(
     "megatron",
     "Megatron-LM stdout (iteration N/ M | lm loss: X | grad norm: X | ...)",
-    train=(pattern(r"\biteration\s+(?P<step>\d+)\s*/\s*\d+\s*\|"),),
+    # `, iteration N/M |` is NeMo 2's line (`Training epoch 0, iteration N/M | ...`)
+    train=(pattern(r"(?<!, )\biteration\s+(?P<step>\d+)\s*/\s*\d+\s*\|"),),
     evals=(
         pattern(r"validation loss at iteration\s+(?P<step>\d+)\b.*?\bloss value:\s*(?P<loss>{N})"),
     ),
