@@ -260,6 +260,28 @@ def test_a_restart_replays_steps_and_a_progress_bar_redraw_does_not(tmp_path):
     assert list(nemo.evals["loss"]) == [2.9]
 
 
+def test_llmc_stdout_of_today_with_its_z_scores_is_read(tmp_path):
+    """llm.c's train_gpt2.cu prints `step %4d/%d | loss %7.6f (%+.2fz)| norm %6.4f (%+.2fz)| lr
+    ...` now (it printed `train loss` before): lines in that format, written here. The `(+nanz)`
+    z-score of the first steps is no NaN loss."""
+    log = tmp_path / "train_gpt2cu.out"
+    log.write_text(
+        "val loss 11.006021\n"
+        "step    1/21479 | loss 11.007906 (+nanz)| norm 16.3235 (+nanz)| lr 2.86e-06 | "
+        "2734.72 ms | -100.0% bf16 MFU | 167751 tok/s\n"
+        "step    2/21479 | loss 10.829729 (+nanz)| norm 15.0011 (+nanz)| lr 5.71e-06 | "
+        "2391.52 ms | -100.0% bf16 MFU | 191824 tok/s\n"
+        "step    3/21479 | loss 10.543671 (-1.52z)| norm 11.0997 (-0.73z)| lr 8.57e-06 | "
+        "2397.11 ms | 41.2% bf16 MFU | 191595 tok/s\n"
+    )
+    data = read_log(log)
+    assert data.format == "llmc" and list(data.steps) == [1, 2, 3]
+    assert list(data.loss) == [11.007906, 10.829729, 10.543671]
+    assert list(data.extra["grad_norm"]) == [16.3235, 15.0011, 11.0997]
+    assert list(data.extra["lr"]) == [2.86e-06, 5.71e-06, 8.57e-06]
+    assert list(data.evals["loss"]) == [11.006021] and not data.warnings
+
+
 def test_megatron_intervals_with_nan_iterations_read_as_nan(tmp_path):
     line = (LOGS / "megatron/megatron_lm_resume_from_14000_srun_prefixed.log").read_text()
     rows = [ln for ln in line.splitlines() if "iteration " in ln and "lm loss" in ln]
