@@ -229,6 +229,26 @@ def test_format_forces_a_reader_and_an_unknown_one_is_listed():
     assert all(n in out.stderr for n in names())
 
 
+def test_deepspeed_reads_the_lr_of_its_step_line_into_the_lr_column(tmp_path):
+    """DeepSpeed prints `[Rank 0] step=N, skipped=K, lr=[x, y], mom=[...]` on a line of its own,
+    beside `steps: N loss: X`: the first group's LR is step N's LR, printed before its loss line
+    (as here) or after it."""
+    log = LOGS / "deepspeed/deepspeed_rank0_step_skipped_lr_pdsh_prefixed.log"
+    data = read_log(log, format="deepspeed")
+    assert list(data.steps[:3]) == [1, 2, 3]
+    assert list(data.extra["lr"][:3]) == [1e-05, 9.938625865312252e-06, 9.756177587652857e-06]
+    assert np.isfinite(data.extra["lr"]).all() and not data.warnings
+    after = tmp_path / "ds.log"
+    after.write_text(
+        "steps: 1 loss: 10.8096 iter time (s): 17.413 samples/sec: 0.230\n"
+        "[Rank 0] step=1, skipped=0, lr=[1e-05, 2e-05], mom=[(0.9, 0.95), (0.9, 0.95)]\n"
+        "steps: 2 loss: 10.7876 iter time (s): 11.239 samples/sec: 0.356\n"
+    )
+    read = read_log(after)
+    assert read.format == "deepspeed" and read.extra["lr"][0] == 1e-05
+    assert np.isnan(read.extra["lr"][1])  # step 2 printed no LR
+
+
 def test_a_text_log_that_fits_no_format_is_one_line_listing_them(tmp_path):
     log = tmp_path / "notes.log"
     log.write_text("epoch one went fine\nthen the second\n")

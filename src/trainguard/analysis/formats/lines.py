@@ -34,9 +34,14 @@ class ParsedLines:
     )
     evals: dict[str, list[float]] = field(default_factory=lambda: {"step": [], "loss": []})
     repeats_last_eval: bool = False
+    pending: Row | None = None  # fields printed for a step whose row is yet to come
 
     def add(self, row: Row) -> None:
         step = float(row["step"])
+        if self.pending is not None:
+            if float(self.pending["step"]) == step:
+                row = {**{k: v for k, v in self.pending.items() if k in FIELDS}, **row}
+            self.pending = None
         again = bool(self.rows["step"]) and self.rows["step"][-1] == step
         for key in ("step", "loss", *FIELDS):
             value = step if key == "step" else value_of(row.get(key))
@@ -45,6 +50,17 @@ class ParsedLines:
                     self.rows[key][-1] = value
             else:
                 self.rows[key].append(value)
+
+    def add_fields(self, row: Row) -> None:
+        """Fields a line without a loss printed for a step: they fill that step's row, printed
+        just before or just after it (a value the row has is kept)."""
+        step = float(row["step"])
+        if self.rows["step"] and self.rows["step"][-1] == step:
+            for key in FIELDS:
+                if key in row and math.isnan(self.rows[key][-1]):
+                    self.rows[key][-1] = value_of(row[key])
+        else:
+            self.pending = row
 
     def add_eval(self, row: Row) -> None:
         step = float(row["step"]) if "step" in row else self.last_step
@@ -68,7 +84,9 @@ class LineFormat:
     grad_norm, lr or loss_scale on it (or the step, printed apart from the loss); `evals` match
     an evaluation line (`loss`, and `step` unless it is the last training step's); `adjust` may
     rewrite a matched row from its line, or drop it (None); `repeats_last_eval` says the format
-    prints its last evaluation's loss again on every later line (NeMo's)."""
+    prints its last evaluation's loss again on every later line (NeMo's); `side` match a line
+    with a step and fields but no loss (DeepSpeed's `step=N, ..., lr=[...]`), whose fields fill
+    that step's row."""
 
     name: str
     description: str
@@ -77,6 +95,7 @@ class LineFormat:
     evals: tuple[re.Pattern[str], ...] = ()
     adjust: Callable[[Row, str], Row | None] | None = None
     repeats_last_eval: bool = False
+    side: tuple[re.Pattern[str], ...] = ()
 
     def sniff(self, path: Path, head: str) -> int:
         """How many lines of `head` are this format's (at most MOST_SURE)."""
@@ -104,6 +123,10 @@ class LineFormat:
             row = self._train_row(line)
             if row is not None:
                 out.add(row)
+            else:
+                fields = self._side_row(line)
+                if fields is not None:
+                    out.add_fields(fields)
             evaluated = self._eval_row(line)  # a line may hold both (a progress bar's)
             if evaluated is not None:
                 out.add_eval(evaluated)
@@ -126,6 +149,16 @@ class LineFormat:
                 return None
             row = {k: v for k, v in row.items() if NUMERIC.fullmatch(v.strip())}  # "n/a", "--"
             return row if "step" in row and "loss" in row else None
+        return None
+
+    def _side_row(self, line: str) -> Row | None:
+        for found in self.side:
+            match = found.search(line)
+            if match is None:
+                continue
+            row = {k: v for k, v in match.groupdict().items() if v is not None}
+            row = {k: v for k, v in row.items() if NUMERIC.fullmatch(v.strip())}
+            return row if "step" in row and any(k in row for k in FIELDS) else None
         return None
 
     def _eval_row(self, line: str) -> Row | None:
