@@ -4,6 +4,7 @@ evaluations apart, its NaN and restarts; and `analyze` over them as a user runs 
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -446,3 +447,58 @@ def test_a_megatron_field_that_is_no_number_is_passed_over_not_a_traceback(tmp_p
     assert np.isnan(data.extra["grad_norm"][0]) and data.extra["grad_norm"][1] == 2.0
     out = cli("analyze", str(log))
     assert out.returncode == 0 and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "packed_name"),
+    [
+        ("llmc/llmc_main_log_gpt2_124M_modded_nanogpt_record.log", "main.log.gz"),
+        ("lightning_csv/slm_training_version_0_metrics.csv", "metrics.csv.gz"),
+        ("wandb_csv/chatterbox_tts_run_history_export_step_runtime.csv", "history.csv.gz"),
+        ("hf_trainer_state/trl_sft_tinyllama_trainer_state.json", "trainer_state.json.gz"),
+        ("megatron/megatron_lm_resume_from_14000_srun_prefixed.log", "run.log"),  # no .gz
+    ],
+)
+def test_a_gzipped_log_reads_as_the_log_itself(tmp_path, name, packed_name):
+    """A gzip-compressed log is found by its first bytes, decompressed as it is read, and its
+    format found from the content (and the name without .gz)."""
+    plain = read_runs(LOGS / name)
+    packed = tmp_path / packed_name
+    packed.write_bytes(gzip.compress((LOGS / name).read_bytes()))
+    again = read_runs(packed)
+    assert [r.format for r in again] == [r.format for r in plain]
+    for one, other in zip(again, plain, strict=True):
+        assert list(one.steps) == list(other.steps)
+        assert np.array_equal(one.loss, other.loss, equal_nan=True)
+        assert sorted(one.extra) == sorted(other.extra)
+        assert list(one.evals.get("loss", ())) == list(other.evals.get("loss", ()))
+        assert one.warnings == other.warnings
+
+
+def test_a_gzipped_jsonl_with_a_nan_is_judged_and_a_damaged_gzip_is_one_line(tmp_path):
+    rows = [{"step": i, "loss": 3.0 - i / 1e5} for i in range(60_000)]
+    rows[40_000]["loss"] = float("nan")
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    packed = tmp_path / "metrics.jsonl.gz"
+    packed.write_bytes(gzip.compress(text.encode()))
+    out = cli("analyze", str(packed), "--json")
+    assert out.returncode == 1 and json.loads(out.stdout)["summary"]["format"] == "jsonl"
+    assert read_log(packed).steps[-1] == 59_999
+    whole = gzip.compress(
+        (LOGS / "llmc/llmc_main_log_gpt2_124M_modded_nanogpt_record.log").read_bytes()
+    )
+    short = tmp_path / "main.log.gz"  # cut short within the head the format is found by
+    short.write_bytes(whole[: len(whole) // 2])
+    cut = tmp_path / "big.jsonl.gz"  # cut short after it: the reading finds it
+    big = packed.read_bytes()
+    cut.write_bytes(big[: len(big) * 9 // 10])
+    corrupt = tmp_path / "corrupt.log.gz"
+    corrupt.write_bytes(whole[:-8] + bytes(8))  # its CRC and length zeroed
+    for damaged in (short, cut, corrupt):
+        out = cli("analyze", str(damaged))
+        assert out.returncode == 2 and "damaged gzip file" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    empty = tmp_path / "empty.log.gz"
+    empty.write_bytes(gzip.compress(b""))
+    with pytest.raises(TrainguardError, match="empty once decompressed"):
+        read_log(empty)

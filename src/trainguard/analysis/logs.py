@@ -1,21 +1,23 @@
 """`read_log`: a loss log as columns, in any format `analysis.formats` knows (CSV, TSV, JSONL,
-TensorBoard event files, and the native logs of the trainers people use), streamed so that a
-file of several GB fits in memory."""
+TensorBoard event files, and the native logs of the trainers people use), gzip-compressed or
+not, streamed so that a file of several GB fits in memory."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import gzip
 import io
 import json
 import math
 import re
 import warnings
+import zlib
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -35,6 +37,7 @@ SNIFF_BYTES = 1 << 20  # the head a format is recognised by (a log may open with
 BINARY_SHARE = 0.1  # a head with more undecodable characters than this is not a text log
 MAX_NAMES_SHOWN = 12  # column names an error lists
 PRESCAN_LINES = 200  # a JSONL log's first objects, whose keys choose the columns read
+GZIP_MAGIC = b"\x1f\x8b"  # the first bytes of a gzip file, whatever its name
 TB_TAGS = {  # TensorBoard tags tried in order when none is named
     "loss": ("loss", "train/loss", "train_loss", "training/loss", "loss/train"),
     "grad_norm": ("grad_norm", "train/grad_norm", "gradient_norm", "train/gradient_norm"),
@@ -254,15 +257,8 @@ def read_runs(
             raise TrainguardError(f"{p} is empty: there is nothing to analyse")
         if format == "tensorboard" or p.name.startswith("events.out.tfevents"):
             return _tensorboard_runs(p, tb_tag, run)
-        with p.open("rb") as f:
-            raw = f.read(SNIFF_BYTES)
-        head = raw.decode("utf-8", errors="replace").removeprefix("\ufeff")  # a BOM
-        if _is_binary(raw[:4096], raw[:4096].decode("utf-8", errors="replace")):
-            raise TrainguardError(
-                f"{p} is not a text log (binary data, or text that is not UTF-8): give a CSV, "
-                "TSV, JSONL or text log saved as UTF-8, or TensorBoard event files"
-            )
-        fmt = chosen or formats.detect(p, head)
+        head, named = text_head(p)
+        fmt = chosen or formats.detect(named, head, shown=p)
         if (loss_column, step_column) != ("loss", "step") and fmt.name not in formats.GENERIC:
             raise TrainguardError(
                 f"{p} reads as a {fmt.name} log: --column and --step-column name the columns "
@@ -276,10 +272,59 @@ def read_runs(
 
             runs[0].recorded = recorded_events(p.parent / "events.jsonl", runs[0].warnings)
         return _chosen_run(p, runs, run)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        raise _damaged_gzip(p, exc) from None
     except OSError as exc:
         raise TrainguardError(
             f"cannot read {p}: {exc.strerror or exc}; check the path and its permissions"
         ) from None
+
+
+def _damaged_gzip(p: Path, exc: Exception) -> TrainguardError:
+    return TrainguardError(
+        f"{p}: a damaged gzip file ({exc}): it was cut short or corrupted; compress the log "
+        "again, or give it uncompressed"
+    )
+
+
+def is_gzip(p: Path) -> bool:
+    """Whether a file is gzip-compressed, told by its first bytes (not its name)."""
+    with p.open("rb") as f:
+        return f.read(len(GZIP_MAGIC)) == GZIP_MAGIC
+
+
+def open_bytes(p: Path) -> IO[bytes]:
+    """A log opened for reading its bytes, decompressed as it is read when it is gzipped."""
+    if is_gzip(p):
+        return cast(IO[bytes], gzip.open(p, "rb"))  # a GzipFile reads as a binary file does
+    return p.open("rb")
+
+
+def open_text(p: Path, errors: str = "replace", newline: str | None = None) -> IO[str]:
+    """A log opened for reading its UTF-8 text (a byte order mark dropped), decompressed as it
+    is read when it is gzipped."""
+    if is_gzip(p):
+        return gzip.open(p, "rt", encoding="utf-8-sig", errors=errors, newline=newline)
+    return p.open(encoding="utf-8-sig", errors=errors, newline=newline)
+
+
+def text_head(p: Path) -> tuple[str, Path]:
+    """A log's first bytes as text (decompressed when it is gzipped), by which its format is
+    found, and the name it is found by (a gzipped log's without `.gz`). A head that is empty
+    once decompressed, or not text, is a one-line error."""
+    compressed = is_gzip(p)
+    with open_bytes(p) as f:
+        raw = f.read(SNIFF_BYTES)
+    if compressed and not raw:
+        raise TrainguardError(f"{p} is empty once decompressed: there is nothing to analyse")
+    head = raw.decode("utf-8", errors="replace").removeprefix("\ufeff")  # a BOM
+    if _is_binary(raw[:4096], raw[:4096].decode("utf-8", errors="replace")):
+        raise TrainguardError(
+            f"{p} is not a text log (binary data, or text that is not UTF-8): give a CSV, "
+            "TSV, JSONL or text log saved as UTF-8 (gzipped or not), or TensorBoard event files"
+        )
+    named = p.with_suffix("") if compressed and p.suffix.lower() == ".gz" else p
+    return head, named
 
 
 def _tensorboard_runs(p: Path, tag: str | None, run: str | None) -> list[LogData]:
@@ -312,7 +357,7 @@ def delimiter_of(p: Path, first: str) -> str | None:
 
 def header_line(p: Path) -> str:
     """A file's first line, without its byte order mark and line end."""
-    with p.open("rb") as f:
+    with open_bytes(p) as f:
         return f.readline().decode("utf-8-sig", errors="replace").rstrip("\r\n")
 
 
@@ -406,7 +451,7 @@ def delimited(p: Path, delimiter: str, names: dict[str, str], other_rows: bool =
     file's column names). With `other_rows`, a row without a loss is another kind of row (an
     evaluation's, in an interleaved log), passed over without a warning."""
     out = _Columns(other_rows=other_rows)
-    with p.open("rb") as f:
+    with open_bytes(p) as f:
         first = f.readline().decode("utf-8-sig", errors="replace")
         columns = header_of(first, delimiter, p)
         for key in ("step", "loss"):
@@ -538,7 +583,7 @@ def jsonl(
 ) -> LogData:
     """A JSONL log: the keys to read are chosen (`names_for`) from those of its first objects."""
     seen: set[str] = set()
-    with p.open(encoding="utf-8-sig", errors="replace") as f:
+    with open_text(p) as f:
         for _, line in zip(range(PRESCAN_LINES), f, strict=False):
             record = json_object(line) if line.strip() else None
             if record is not None:
@@ -547,7 +592,7 @@ def jsonl(
     out = _Columns()
     cols: dict[str, array[float]] = {k: array("d") for k in names}
     lineno, line = 0, ""
-    with p.open(encoding="utf-8-sig", errors="replace") as f:
+    with open_text(p) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -88,14 +88,14 @@ def by_name(name: str) -> LogFormat:
 GENERIC = ("csv", "jsonl")  # the formats whose columns the user may name
 
 
-def detect(path: Path, head: str) -> LogFormat:
+def detect(path: Path, head: str, shown: Path | None = None) -> LogFormat:
     """The format that scores `head` (the file's first bytes) highest; a one-line error that
-    lists the formats when none does."""
+    lists the formats when none does, naming the file `shown` (`path` when None)."""
     scored = [(f.sniff(path, head), i, f) for i, f in enumerate(formats())]
     best = max(scored, key=lambda s: (s[0], -s[1]))
     if best[0] <= 0:
         raise TrainguardError(
-            f"{path}: no known log format matched; the formats are: {', '.join(names())} "
+            f"{shown or path}: no known log format matched; the formats are: {', '.join(names())} "
             "(force one with --format NAME, or give a CSV/JSONL log with step and loss columns)"
         )
     return best[2]

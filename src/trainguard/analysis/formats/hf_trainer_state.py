@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from trainguard.analysis.formats import SURE, LogFormat, ReadOptions
-from trainguard.analysis.logs import LogData, columns_of, number
+from trainguard.analysis.logs import LogData, columns_of, number, open_text
 from trainguard.events import TrainguardError
 
 KEYS = {"grad_norm": "grad_norm", "lr": "learning_rate"}
@@ -23,7 +23,7 @@ def _sniff(path: Path, head: str) -> int:
 
 def _read(path: Path, options: ReadOptions) -> list[LogData]:
     try:
-        with path.open(encoding="utf-8-sig") as f:
+        with open_text(path, errors="strict") as f:
             state = json.load(f)
     except (ValueError, RecursionError) as exc:
         raise TrainguardError(

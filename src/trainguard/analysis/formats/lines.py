@@ -3,6 +3,7 @@ its training lines and its evaluation lines."""
 
 from __future__ import annotations
 
+import gzip
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainguard.analysis.formats import LogFormat, ReadOptions
-from trainguard.analysis.logs import LogData, columns_of
+from trainguard.analysis.logs import LogData, columns_of, open_text
 from trainguard.events import TrainguardError
 
 NUMBER = r"[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|NaN|NAN|inf|Inf|INF|infinity)"
@@ -176,8 +177,10 @@ class LineFormat:
 
     def read(self, path: Path, options: ReadOptions) -> list[LogData]:
         try:
-            with path.open(encoding="utf-8-sig", errors="replace", newline="") as f:
+            with open_text(path, newline="") as f:
                 parsed = self.parse_lines(f)
+        except gzip.BadGzipFile:  # said by read_runs, as every damaged gzip is
+            raise
         except OSError as exc:
             raise TrainguardError(
                 f"cannot read {path}: {exc.strerror or exc}; check the path and its permissions"
