@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -502,3 +503,32 @@ def test_a_gzipped_jsonl_with_a_nan_is_judged_and_a_damaged_gzip_is_one_line(tmp
     empty.write_bytes(gzip.compress(b""))
     with pytest.raises(TrainguardError, match="empty once decompressed"):
         read_log(empty)
+
+
+def test_a_folder_of_logs_names_them_or_reads_its_one_log(tmp_path):
+    """A folder without metrics.jsonl, trainer_state.json, metrics.csv or event files (a Slurm
+    job's): its one log among other files is read, and the warning says which; several logs are
+    one line that names them and says to pass one; none is one line naming the files found."""
+    job = tmp_path / "job"
+    job.mkdir()
+    megatron = LOGS / "megatron/megatron_lm_resume_from_14000_srun_prefixed.log"
+    shutil.copy(megatron, job / "2340717.out")
+    (job / "2340717.err").write_text("srun: warning: can't honor --ntasks-per-node set to 4\n")
+    (job / "notes.txt").write_text("lr sweep, second try\n")
+    data = read_log(job)
+    assert data.format == "megatron" and len(data.steps) == 19
+    assert "2340717.out" in data.warnings[0] and str(job) in data.warnings[0]
+    out = cli("analyze", str(job))
+    assert out.returncode in (0, 1) and "2340717.out" in out.stderr
+    llmc = LOGS / "llmc/llmc_main_log_gpt2_124M_modded_nanogpt_record.log"
+    (job / "main.log.gz").write_bytes(gzip.compress(llmc.read_bytes()))  # a gzipped one counts
+    out = cli("analyze", str(job))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert "2 logs (2340717.out, main.log.gz)" in out.stderr and "pass one of them" in out.stderr
+    assert read_log(job, format="llmc").format == "llmc"  # the one log of that format
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("rerun with warmup\n")
+    with pytest.raises(TrainguardError, match=r"no log in a known format \(found: todo.txt\)"):
+        read_log(notes)

@@ -25,7 +25,7 @@ from trainguard.detectors.series import MetricSeries
 from trainguard.events import TrainguardError
 
 if TYPE_CHECKING:
-    from trainguard.analysis.formats import ReadOptions
+    from trainguard.analysis.formats import LogFormat, ReadOptions
 
 OPTIONAL = ("grad_norm", "lr", "loss_scale")
 MAX_WARNED_ROWS = 10
@@ -38,6 +38,9 @@ BINARY_SHARE = 0.1  # a head with more undecodable characters than this is not a
 MAX_NAMES_SHOWN = 12  # column names an error lists
 PRESCAN_LINES = 200  # a JSONL log's first objects, whose keys choose the columns read
 GZIP_MAGIC = b"\x1f\x8b"  # the first bytes of a gzip file, whatever its name
+LOG_SUFFIXES = (".log", ".txt", ".out", ".err", ".csv", ".tsv", ".jsonl", ".json")  # and .gz
+MAX_FOLDER_FILES = 100  # the files of a folder looked into for its one log
+MIN_FOLDER_SCORE = 2  # how sure a format must be that a file of a folder is a log
 TB_TAGS = {  # TensorBoard tags tried in order when none is named
     "loss": ("loss", "train/loss", "train_loss", "training/loss", "loss/train"),
     "grad_norm": ("grad_norm", "train/grad_norm", "gradient_norm", "train/gradient_norm"),
@@ -228,6 +231,7 @@ def read_runs(
     options = formats.ReadOptions(loss_column, step_column, tag)
     tb_tag = tag or (loss_column if loss_column != "loss" else None)
     chosen = formats.by_name(format) if format not in (None, "tensorboard") else None
+    note = None  # which file of a folder was read, when the folder named no run file
     if p.is_dir():
         found = next(
             (
@@ -242,10 +246,7 @@ def read_runs(
         elif any(p.rglob("events.out.tfevents.*")):
             return _tensorboard_runs(p, tb_tag, run)
         else:
-            raise TrainguardError(
-                f"{p} is a directory without metrics.jsonl, trainer_state.json, metrics.csv or "
-                "TensorBoard event files; give the path of a log"
-            )
+            p, note = _the_log_in(p, chosen)
     if not p.exists():
         raise TrainguardError(f"{p}: no such file; give the path of a training log")
     if not p.is_file():
@@ -267,6 +268,8 @@ def read_runs(
         runs = fmt.read(p, options)
         for data in runs:
             data.format = fmt.name
+            if note is not None:
+                data.warnings.insert(0, note)
         if p.name == "metrics.jsonl" and (p.parent / "events.jsonl").is_file():
             from trainguard.analysis.run import recorded_events
 
@@ -278,6 +281,60 @@ def read_runs(
         raise TrainguardError(
             f"cannot read {p}: {exc.strerror or exc}; check the path and its permissions"
         ) from None
+
+
+def _the_log_in(folder: Path, chosen: LogFormat | None) -> tuple[Path, str]:
+    """The one log of a folder that holds no run file (metrics.jsonl, ...): the one file, by
+    its name a log (`LOG_SUFFIXES`, gzipped or not), whose content a format (`chosen`, else any)
+    recognises, with a note that says so. Several such files, or none, are a one-line error
+    that names the files found."""
+    files = sorted(
+        f
+        for f in folder.iterdir()
+        if f.is_file()
+        and not f.name.startswith(".")
+        and f.name != "events.jsonl"  # a guarded run's events, never its loss log
+        and f.name.lower().removesuffix(".gz").endswith(LOG_SUFFIXES)
+    )
+    if not files:
+        raise TrainguardError(
+            f"{folder} is a directory without metrics.jsonl, trainer_state.json, metrics.csv, "
+            "TensorBoard event files or a log file (.log, .txt, .out, .csv, .jsonl, ...); "
+            "give the path of a log"
+        )
+    logs = [f for f in files[:MAX_FOLDER_FILES] if _is_log(f, chosen)]
+    if len(logs) == 1:
+        return logs[0], f"read {logs[0].name}: the one log in {folder}"
+    if logs:
+        raise TrainguardError(
+            f"{folder} holds {len(logs)} logs ({_listed(logs)}): pass one of them, e.g. "
+            f"trainguard analyze {logs[0]}"
+        )
+    kind = f"in the {chosen.name} format" if chosen is not None else "in a known format"
+    raise TrainguardError(
+        f"{folder} holds no log {kind} (found: {_listed(files)}); pass one of these files, "
+        "with --format NAME if its format is not found"
+    )
+
+
+def _is_log(p: Path, chosen: LogFormat | None) -> bool:
+    """Whether a file's content is a log of the format `chosen` (of any known format when
+    None) by more than a hint: more than one line of a text log, or a CSV header whose columns
+    are found without --column (a note with a comma in it is no log)."""
+    from trainguard.analysis import formats
+
+    try:
+        head, named = text_head(p)
+    except (TrainguardError, OSError, EOFError, zlib.error):
+        return False
+    candidates = [chosen] if chosen is not None else formats.formats()
+    return max(f.sniff(named, head) for f in candidates) >= MIN_FOLDER_SCORE
+
+
+def _listed(files: Sequence[Path]) -> str:
+    shown = ", ".join(f.name for f in files[:MAX_NAMES_SHOWN])
+    more = len(files) - MAX_NAMES_SHOWN
+    return shown + (f" and {more} more" if more > 0 else "")
 
 
 def _damaged_gzip(p: Path, exc: Exception) -> TrainguardError:
