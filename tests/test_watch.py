@@ -199,6 +199,20 @@ def test_watch_stops_by_itself_when_the_run_closes(tmp_path):
         writer.wait(timeout=60)
     assert out.returncode == 0, out.stderr
     assert "step 79" in out.stdout and "finished" in out.stdout
+    lines = out.stdout.splitlines()  # piped: plain lines, the last one the final state
+    assert lines and lines[-1].startswith("step 79 ") and lines[-1].endswith("finished")
+    assert "\x1b" not in out.stdout and "╭" not in out.stdout  # no redrawn panel
+
+
+def test_watch_to_a_pipe_prints_each_incident_once_as_a_line(tmp_path):
+    guard = quiet_guard(tmp_path)
+    observe(guard, range(120), spike_at=100)
+    guard.close()
+    out = watch_cli(str(tmp_path), "--refresh", "0.05", "--duration", "0.3")
+    assert out.returncode == 0, out.stderr
+    spikes = [line for line in out.stdout.splitlines() if "loss_spike" in line]
+    assert len(spikes) == 1 and spikes[0].startswith("step 100: loss_spike (")
+    assert out.stdout.splitlines()[-1].startswith("step 119 ")
 
 
 CLOSES = textwrap.dedent(

@@ -31,6 +31,7 @@ app = typer.Typer(
 err = Console(stderr=True)
 MAX_MESSAGE = 2000  # characters of an error line; a longer one is cut
 MAX_REFRESH_S = 86_400.0
+PLAIN_EVERY_S = 5.0  # watch to a pipe or file: a status line at most this often
 LINT_KEYS = ("model", "optimizer", "scheduler", "scaler")
 SCAN_KEYS = ("model", "batches", "per_sample_loss_fn")
 FORMAT_NAMES = ", ".join(format_names())
@@ -266,7 +267,24 @@ def watch(
         raise TrainguardError(f"{run_dir} is not a directory: give the run_dir of a Guard")
     watcher = RunWatcher(run_dir, quiet_steps=quiet_steps)
     start = time.monotonic()
-    with Live(watcher.render(), console=Console(), refresh_per_second=4) as live:
+    console = Console()
+    if not console.is_terminal:  # piped or to a file: plain lines, not a redrawn panel
+        shown, shown_at = "", -math.inf
+        while True:
+            watcher.poll()
+            for incident in watcher.incident_lines():
+                print(incident, flush=True)
+            now = time.monotonic()
+            stop = duration is not None and now - start >= duration
+            done = watcher.halted or watcher.finished or stop
+            line = watcher.line()
+            if line != shown and (now - shown_at >= PLAIN_EVERY_S or done):
+                print(line, flush=True)
+                shown, shown_at = line, now
+            if done:
+                return
+            time.sleep(refresh)
+    with Live(watcher.render(), console=console, refresh_per_second=4) as live:
         while True:
             watcher.poll()
             live.update(watcher.render())

@@ -112,6 +112,7 @@ class RunWatcher:
         self.loss: deque[float] = deque(maxlen=HISTORY)
         self.grad: deque[float] = deque(maxlen=HISTORY)
         self.events: deque[dict[str, Any]] = deque(maxlen=5)
+        self.unseen: deque[dict[str, Any]] = deque(maxlen=100)  # incidents not yet printed
         self.last_incident: dict[str, int] = {}  # severity -> the step of its latest event
         self.halted = False
         self.closed_at: int | None = None  # the step of the run's `run_closed` event
@@ -157,6 +158,7 @@ class RunWatcher:
             severity, kind = event.get("severity"), event.get("kind")
             if severity == "warning" or severity == "critical":
                 self.events.append(event)
+                self.unseen.append(event)
                 self.last_incident[severity] = event["step"]
             if kind == "halt":
                 self.halted = True
@@ -203,6 +205,23 @@ class RunWatcher:
         if self.idle_s is not None and self.idle_s >= STALE_AFTER_S:
             words += f"; no new data for {_duration(self.idle_s)}"
         return words, _COLOURS[health]
+
+    def line(self) -> str:
+        """The head of the dashboard as one plain line, for output that is not a terminal."""
+        loss = f"{self.loss[-1]:.4g}" if self.loss else "-"
+        grad = f"{self.grad[-1]:.3g}" if self.grad else "-"
+        step = str(self.step) if self.step is not None else "-"
+        return f"step {step}  loss {loss}  grad norm {grad}  {self.status()[0]}"
+
+    def incident_lines(self) -> list[str]:
+        """The incidents read since the last call, one plain line each."""
+        lines = [
+            f"step {_shown(e.get('step'))}: {_shown(e.get('kind'))} "
+            f"({_shown(e.get('severity'))}): {_shown(e.get('message', ''))}"
+            for e in self.unseen
+        ]
+        self.unseen.clear()
+        return lines
 
     def render(self) -> Panel:
         """The dashboard: a head line with the state, the sparklines, the latest incidents."""
