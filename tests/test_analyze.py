@@ -100,7 +100,7 @@ def test_bad_rows_are_passed_over_with_a_warning_naming_them(tmp_path):
     log.write_text("\n".join(lines) + "\n")
     data = read_log(log)
     assert "line 12, 22" in data.warnings[0]
-    assert "unsorted or repeated" in data.warnings[1]
+    assert "steps go back or repeat" in data.warnings[1]
     assert list(data.steps) == sorted(set(data.steps)) and len(data.steps) == 98
     out = run(str(log))
     assert out.returncode == 0 and "passed over 2 row(s)" in out.stderr

@@ -89,10 +89,17 @@ def test_lint_a_setup_from_a_file(tmp_path):
         "    model = TinyGPT()\n"
         "    return model, torch.optim.Adam(model.parameters(), lr=1e-3)\n"
     )
-    out = run("lint", f"{setup}:build", "--max-grad-norm", "1.0", "--json")
+    out = run("lint", f"{setup}:build", "--json")  # clipped at the guard's 1.0, by default
     assert out.returncode == 1, out.stderr
     codes = {f["code"] for f in json.loads(out.stdout)}
     assert {"no-warmup", "adam-beta2", "residual-init"} <= codes and "no-clipping" not in codes
+    unclipped = run("lint", f"{setup}:build", "--max-grad-norm", "0", "--json")
+    assert "no-clipping" in {f["code"] for f in json.loads(unclipped.stdout)}
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    piped = subprocess.run(  # to a pipe, no COLUMNS: a table wider than rich's 80
+        [EXE, "lint", f"{setup}:build"], capture_output=True, text=True, env=env, timeout=1200
+    )
+    assert max(len(line) for line in piped.stdout.splitlines()) > 80
     missing = run("lint", f"{tmp_path / 'nope.py'}:build")
     assert missing.returncode == 2 and "not found" in missing.stderr
 

@@ -217,7 +217,8 @@ def test_a_megatron_log_whose_training_starts_again_keeps_the_last_pass():
     assert data.abandoned["loss"][0] == pytest.approx(12.17231)  # the first pass's
     assert data.loss[-1] == pytest.approx(4.317102)
     assert data.warnings == [
-        "steps were unsorted or repeated: sorted, keeping the last row per step"
+        "steps go back or repeat (a restart, or a rollback's replay): kept the last row of each "
+        "step, the earlier ones apart as abandoned"
     ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from enum import Enum
 from pathlib import Path
 from types import ModuleType
@@ -29,6 +30,19 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 err = Console(stderr=True)
+DEFAULT_MAX_GRAD_NORM = float(GuardConfig.model_fields["max_grad_norm"].default)  # the guard's
+PLAIN_WIDTH = 160  # columns of tables written to a pipe or a file (rich assumes 80)
+
+
+def out_console() -> Console:
+    """A console for stdout: the terminal's width, or PLAIN_WIDTH columns where the output is
+    a pipe or a file and COLUMNS does not say otherwise."""
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=PLAIN_WIDTH)
+    return console
+
+
 MAX_MESSAGE = 2000  # characters of an error line; a longer one is cut
 MAX_REFRESH_S = 86_400.0
 PLAIN_EVERY_S = 5.0  # watch to a pipe or file: a status line at most this often
@@ -69,7 +83,7 @@ def demo(
     """Train a tiny GPT on the CPU through planted incidents and show what the guard does."""
     from trainguard.demo.run import run_demo
 
-    run_demo(steps=steps, run_dir=run_dir, seed=seed)
+    run_demo(steps=steps, run_dir=run_dir, seed=seed, console=out_console())
 
 
 @app.command()
@@ -151,7 +165,7 @@ def _show_analysis(path: Path, data: LogData, result: Analysis) -> None:
             result.source(e),
             escape(e.message),
         )
-    console = Console()
+    console = out_console()
     console.print(table)
     s = result.summary
     verdict = (
@@ -305,8 +319,12 @@ def lint_command(
     ],
     total_steps: Annotated[int | None, typer.Option(help="Planned optimizer steps.")] = None,
     max_grad_norm: Annotated[
-        float | None, typer.Option(help="The clip threshold the run uses; omit for none.")
-    ] = None,
+        float,
+        typer.Option(
+            help="The clip threshold the run uses: the guard's (GuardConfig.max_grad_norm) by "
+            "default; 0 for a run that does not clip."
+        ),
+    ] = DEFAULT_MAX_GRAD_NORM,
     autocast: Annotated[
         AutocastDtype | None,
         typer.Option(help="The dtype the forward runs in under autocast; omit for none."),
@@ -329,7 +347,7 @@ def lint_command(
             setup.get("optimizer"),
             setup.get("scheduler"),
             setup.get("scaler"),
-            max_grad_norm,
+            max_grad_norm if max_grad_norm > 0 else None,
             total_steps,
             getattr(torch, AUTOCAST_TORCH_NAMES[autocast]) if autocast is not None else None,
         )
@@ -340,14 +358,14 @@ def lint_command(
     if as_json:
         typer.echo(json.dumps([f.to_dict() for f in findings], indent=1))
     elif not findings:
-        Console().print("[green]no findings[/]")
+        out_console().print("[green]no findings[/]")
     else:
         table = Table(title=escape(f"trainguard lint {target}"), title_justify="left")
         for column in ("severity", "code", "what", "fix"):
             table.add_column(column, overflow="fold")
         for f in findings:
             table.add_row(f.severity, f.code, escape(f.message), escape(f.fix))
-        Console().print(table)
+        out_console().print(table)
     if any(SEVERITY_RANK[f.severity] >= SEVERITY_RANK["warning"] for f in findings):
         raise typer.Exit(1)
 
@@ -397,7 +415,7 @@ def scan_command(
         raise
     except Exception as exc:  # the model, batches or loss function of the set-up failed
         raise _user_code_error(f"scanning with {target}", exc) from None
-    console = Console()
+    console = out_console()
     console.print(
         f"scanned {result.scanned} samples (median loss {result.median_loss:.4g}); "
         f"{len(result.flagged)} flagged"

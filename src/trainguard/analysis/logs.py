@@ -138,7 +138,10 @@ class _Columns:
         del steps
         abandoned: dict[str, np.ndarray] = {}
         if len(order) > 1 and not np.all(order[1:] > order[:-1]):
-            notes.append("steps were unsorted or repeated: sorted, keeping the last row per step")
+            notes.append(
+                "steps go back or repeat (a restart, or a rollback's replay): kept the last row "
+                "of each step, the earlier ones apart as abandoned"
+            )
             keep, dropped = final_timeline(order)
             abandoned = {"step": order[dropped], "loss": loss[dropped]}
             order, loss = order[keep], loss[keep]
