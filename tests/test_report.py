@@ -349,7 +349,15 @@ def typed_run(run_dir: Path) -> None:
         "metrics": {},
         "action": "skip",
     }
-    events = [spike, grad, revised, spike, grad, revised, nan]  # the step trained twice
+    jump = {
+        "step": 103,
+        "kind": "weight_jump",
+        "severity": "warning",
+        "message": "the weights of layer group head moved x998 in one step",
+        "metrics": {},
+        "action": "step",
+    }
+    events = [spike, grad, jump, revised, spike, grad, revised, nan]  # the steps trained twice
     (run_dir / "events.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
 
 
@@ -369,8 +377,10 @@ def test_markers_and_cards_follow_the_final_type_on_the_right_panel(browser, tmp
     ticks = page.page.locator("#curves g.y2tick text").all_text_contents()
     assert "0.5" in ticks and len(ticks) == len(set(ticks))  # 0.5 written out, not "5"
     cards = page.page.locator(".incident")
-    assert cards.count() == 2  # one card a step: the loss and grad spike, twice trained
+    assert cards.count() == 2  # one card an incident: the spikes and the jump 3 steps later
     first = cards.nth(0)
+    assert "loss spike at steps 100..103" in first.inner_text()
+    assert "weight jump at 103" in first.inner_text()
     assert "gradient explosion" in first.inner_text() and "#ff7f0e" in (
         first.get_attribute("style") or ""
     )

@@ -20,6 +20,7 @@ from trainguard.events import SEVERITY_RANK
 MAX_POINTS = 6000  # per trace: min/max per bucket keeps every spike visible
 MAX_HEAT_COLUMNS = 600
 MAX_CARDS = 200
+NEAR_STEPS = 5  # events this close are one incident (a spike's follow-up window)
 OUTCOME_STEPS = 50  # the outcome of an incident: the loss this many steps later
 TYPE_COLOURS = {
     "data_toxicity": "#d62728",
@@ -70,26 +71,42 @@ text-align:left;vertical-align:top;overflow-wrap:anywhere}.muted{color:#777;font
 
 @dataclass
 class Incident:
-    """The events of warning or above at one step (a step replayed after a rollback brings its
-    events again): one card, one set of markers."""
+    """The events of warning or above at steps at most NEAR_STEPS apart (one fault, and the
+    steps a rollback replayed bring their events again): one card."""
 
-    step: int
     events: list[dict[str, Any]]
 
     @property
+    def step(self) -> int:
+        """Its first step."""
+        return min(int(e["step"]) for e in self.events)
+
+    @property
+    def last_step(self) -> int:
+        return max(int(e["step"]) for e in self.events)
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted({int(e["step"]) for e in self.events})
+
+    @property
     def primary(self) -> dict[str, Any]:
-        """The most severe event, the first of them."""
-        return max(self.events, key=lambda e: SEVERITY_RANK.get(str(e.get("severity")), 0))
+        """The most severe event, the first of them in step order."""
+        ordered = sorted(self.events, key=lambda e: int(e["step"]))
+        return max(ordered, key=lambda e: SEVERITY_RANK.get(str(e.get("severity")), 0))
 
 
 def incidents_of(events: list[dict[str, Any]]) -> list[Incident]:
-    """The incidents of a run, one per step, in step order."""
-    by_step: dict[int, Incident] = {}
-    for e in events:
-        if _is_incident(e):
-            step = int(e["step"])
-            by_step.setdefault(step, Incident(step, [])).events.append(e)
-    return sorted(by_step.values(), key=lambda i: i.step)
+    """The incidents of a run in step order: events of warning or above, those at most
+    NEAR_STEPS steps after the one before taken as one."""
+    found = sorted((e for e in events if _is_incident(e)), key=lambda e: int(e["step"]))
+    incidents: list[Incident] = []
+    for e in found:
+        if incidents and int(e["step"]) - incidents[-1].last_step <= NEAR_STEPS:
+            incidents[-1].events.append(e)
+        else:
+            incidents.append(Incident([e]))
+    return incidents
 
 
 def final_types(events: list[dict[str, Any]]) -> dict[int, str]:
@@ -343,12 +360,12 @@ def _mark_incidents(
     markers: dict[tuple[str, str], list[tuple[int, float | None, str]]] = {}
     nonfinite: list[int] = []
     for incident in incidents:
-        seen: set[str] = set()
+        seen: set[tuple[int, str]] = set()
         for e in incident.events:
-            kind = str(e["kind"])
-            if kind in seen:  # the step replayed after a rollback: one marker
+            kind, step = str(e["kind"]), int(e["step"])
+            if (step, kind) in seen:  # the step replayed after a rollback: one marker
                 continue
-            seen.add(kind)
+            seen.add((step, kind))
             panel = PANEL_OF.get(kind, "loss")
             panel = panel if panel in row_of else "loss"
             value = math.nan
@@ -356,16 +373,16 @@ def _mark_incidents(
             if isinstance(metric, (int, float)) and not isinstance(metric, bool):
                 value = float(metric)  # what the detector saw there
             if not math.isfinite(value):
-                value = _value_at(record.steps, record.columns[panel], incident.step)
+                value = _value_at(record.steps, record.columns[panel], step)
             if kind == "nonfinite":
-                nonfinite.append(incident.step)
+                nonfinite.append(step)
             label = _label(e, types)
             text = (
-                f"step {incident.step}: {kind} ({label if label != kind else e['severity']})"
+                f"step {step}: {kind} ({label if label != kind else e['severity']})"
                 f"<br>{_wrap(str(e.get('message', '')))}"
             )
             markers.setdefault((panel, label), []).append(
-                (incident.step, value if math.isfinite(value) else None, text)
+                (step, value if math.isfinite(value) else None, text)
             )
     for (panel, label), points in markers.items():
         fig.add_scatter(
@@ -475,7 +492,10 @@ def _cards(record: RunRecord, incidents: list[Incident], types: dict[int, str]) 
             for key in {s for s in steps if isinstance(s, int)}:
                 by_step.setdefault(key, []).append(r)
     shown = incidents[:MAX_CARDS]
-    cards = [_card(record, i, by_step.get(i.step, []), types) for i in shown]
+    cards = [
+        _card(record, i, _distinct_events([r for s in i.steps for r in by_step.get(s, [])]), types)
+        for i in shown
+    ]
     more = (
         f'<p class="muted">and {len(incidents) - len(shown)} more incidents: see events.jsonl '
         "or trainguard analyze --json.</p>"
@@ -490,6 +510,11 @@ def _cards(record: RunRecord, incidents: list[Incident], types: dict[int, str]) 
     )
 
 
+def _distinct_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events once each (one attached to two steps of an incident is found twice)."""
+    return list({id(e): e for e in events}.values())
+
+
 def _distinct(texts: list[str]) -> list[str]:
     """The texts once each, in order (a replayed step repeats its events' messages)."""
     return list(dict.fromkeys(t for t in texts if t))
@@ -499,22 +524,28 @@ def _card(
     record: RunRecord, incident: Incident, related: list[dict[str, Any]], types: dict[int, str]
 ) -> str:
     """One incident: when, what, cause, diagnosis, action and outcome."""
-    step = incident.step
+    step, last = incident.step, incident.last_step
+    when = f"step {step}" if step == last else f"steps {step}..{last}"
     esc = html.escape
     primary = incident.primary
     label = _label(primary, types)
-    rows: list[tuple[str, str]] = [("step", str(step))]
+    rows: list[tuple[str, str]] = [("step", when.split(" ", 1)[1])]
     if label != primary["kind"]:
         rows.append(("cause", esc(label.replace("_", " "))))
     rows.append(("what", esc(str(primary.get("message", "")))))
-    times = sum(1 for e in incident.events if e["kind"] == primary["kind"])
+
+    def same(e: dict[str, Any]) -> bool:
+        return bool(e["kind"] == primary["kind"] and e["step"] == primary["step"])
+
+    times = sum(1 for e in incident.events if same(e))
     if times > 1:
         rows.append(("seen", f"{times} times: the step was trained again after a rollback"))
     also = _distinct(
         [
-            f"{str(e['kind']).replace('_', ' ')} ({e.get('severity')}): {e.get('message', '')}"
+            f"{str(e['kind']).replace('_', ' ')} at {e['step']} ({e.get('severity')}): "
+            f"{e.get('message', '')}"
             for e in incident.events
-            if e["kind"] != primary["kind"]
+            if not same(e)
         ]
     )
     rows += [("also", esc(a)) for a in also]
@@ -533,13 +564,13 @@ def _card(
     )
     if taken or acts:
         rows.append(("action", "<br>".join(esc(a) for a in [", ".join(taken), *acts] if a)))
-    rows.append(("outcome", esc(_outcome(record, step))))
+    rows.append(("outcome", esc(_outcome(record, step, last))))
     body = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in rows)
     sev = esc(str(primary.get("severity")))
     what = str(primary["kind"]).replace("_", " ")
     return (
         f'<div class="incident" style="--c:{_colour(label)}" data-step="{step}" '
-        f'data-kind="{esc(str(primary["kind"]))}"><h3>{esc(what)} at step {step}'
+        f'data-kind="{esc(str(primary["kind"]))}"><h3>{esc(what)} at {when}'
         f'<span class="sev {sev}">{sev}</span></h3><dl>{body}</dl></div>'
     )
 
@@ -577,12 +608,12 @@ def _diagnosis(events: list[dict[str, Any]], related: list[dict[str, Any]]) -> s
     return "<br>".join(_distinct(parts))
 
 
-def _outcome(record: RunRecord, step: int) -> str:
-    """The loss before the incident against the loss from `OUTCOME_STEPS` steps later on (the
-    logged points there, however far apart they are)."""
+def _outcome(record: RunRecord, step: int, last: int | None = None) -> str:
+    """The loss before the incident's first step against the loss from `OUTCOME_STEPS` steps
+    after its last on (the logged points there, however far apart they are)."""
     steps, loss = record.steps, record.columns["loss"]
     i = int(np.searchsorted(steps, step))
-    j = int(np.searchsorted(steps, step + OUTCOME_STEPS))
+    j = int(np.searchsorted(steps, (step if last is None else last) + OUTCOME_STEPS))
     before = loss[max(0, i - 20) : i]
     after = loss[j : j + 20]
     if record.actions is not None and "halt" in record.actions[i:]:
