@@ -348,18 +348,28 @@ def _type_of(alarm: tg.Event, events: list[tg.Event]) -> str:
 
 def _actions(window: list[tg.Decision], events: list[tg.Event]) -> str:
     """What the guard did over an incident's steps, in a few words."""
-    said = []
+    said: list[str] = []
+    rollbacks = [e for d in window for e in d.events if e.kind == "rollback"]
     for d in window:
         if d.action == "rollback":
-            rollback = next(e for e in d.events if e.kind == "rollback")
-            skipped = rollback.metrics.get("skipped_batches")  # None: its batches are fed again
-            data = f"batches {skipped[0]}-{skipped[1] - 1} skipped" if skipped else "none skipped"
-            said.append(
-                f"rollback to step {rollback.metrics['to_step']}, LR x"
-                f"{rollback.metrics['lr_factor']:.2g}, {data}"
-            )
-        elif d.action in ("skip", "halt") and (not said or said[-1] != d.action):
+            break  # what the rollbacks did is told below, not the replayed steps' skips
+        if d.action in ("skip", "halt") and (not said or said[-1] != d.action):
             said.append(d.action)
+    if rollbacks:
+        first = rollbacks[0].metrics
+        skipped = first.get("skipped_batches")  # None: its batches are fed again
+        data = f"batches {skipped[0]}-{skipped[1] - 1} skipped" if skipped else "none skipped"
+        said.append(f"rollback to step {first['to_step']}, LR x{first['lr_factor']:.2g}, {data}")
+    if len(rollbacks) > 1:
+        spans = [e.metrics.get("skipped_batches") for e in rollbacks]
+        count = sum(s[1] - s[0] for s in spans if s)
+        said.append(
+            f"{len(rollbacks) - 1} more rollback(s), the LR down to "
+            f"x{rollbacks[-1].metrics['lr_scale']:.2g} of the schedule, {count} batches "
+            "skipped in all"
+        )
+    if any(d.action == "halt" for d in window) and "halt" not in said:
+        said.append("halt")
     if any(e.kind == "spike_samples" for e in events):
         said.append("samples quarantined")
     return "; ".join(said) or "stepped"
