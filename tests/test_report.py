@@ -315,48 +315,52 @@ def typed_run(run_dir: Path) -> None:
     ]
     metrics[200]["loss"] = "nan"
     (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics) + "\n")
-    spike = {
-        "step": 100,
-        "kind": "loss_spike",
-        "severity": "critical",
-        "type": "data_toxicity",
-        "message": "loss 5 jumped over its level 2",
-        "metrics": {"loss": 5.0},
-        "action": "skip",
-    }
-    grad = {
-        "step": 100,
-        "kind": "grad_spike",
-        "severity": "warning",
-        "message": "gradient norm 8 is 20x its median",
-        "metrics": {"grad_norm": 8.0},
-        "action": "skip",
-    }
-    revised = {
-        "step": 105,
-        "kind": "spike_classified",
-        "severity": "info",
-        "type": "gradient_explosion",
-        "message": "loss spike at step 100 revised from data toxicity as gradient explosion",
-        "metrics": {"spike_step": 100, "previous_type": "data_toxicity"},
-        "action": "rollback",
-    }
-    nan = {
-        "step": 200,
-        "kind": "nonfinite",
-        "severity": "critical",
-        "message": "the loss is nan",
-        "metrics": {},
-        "action": "skip",
-    }
-    jump = {
-        "step": 103,
-        "kind": "weight_jump",
-        "severity": "warning",
-        "message": "the weights of layer group head moved x998 in one step",
-        "metrics": {},
-        "action": "step",
-    }
+
+    def event(step, kind, severity, message, action, metrics=None, type_=None):
+        return {
+            "step": step,
+            "kind": kind,
+            "severity": severity,
+            "type": type_,
+            "message": message,
+            "metrics": metrics or {},
+            "action": action,
+        }
+
+    spike = event(
+        100,
+        "loss_spike",
+        "critical",
+        "loss 5 jumped over its level 2",
+        "skip",
+        {"loss": 5.0},
+        "data_toxicity",
+    )
+    grad = event(
+        100,
+        "grad_spike",
+        "warning",
+        "gradient norm 8 is 20x its median",
+        "skip",
+        {"grad_norm": 8.0},
+    )
+    revised = event(
+        105,
+        "spike_classified",
+        "info",
+        "loss spike at step 100 revised from data toxicity as gradient explosion",
+        "rollback",
+        {"spike_step": 100, "previous_type": "data_toxicity"},
+        "gradient_explosion",
+    )
+    nan = event(200, "nonfinite", "critical", "the loss is nan", "skip")
+    jump = event(
+        103,
+        "weight_jump",
+        "warning",
+        "the weights of layer group head moved x998 in one step",
+        "step",
+    )
     events = [spike, grad, jump, revised, spike, grad, revised, nan]  # the steps trained twice
     (run_dir / "events.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
 
