@@ -24,6 +24,20 @@ MOST_SURE = 99  # a count of matching lines scores at most this: a format's own 
 Row = dict[str, str]  # a line's values: step, loss, and any of FIELDS
 
 
+def first_match(patterns: Iterable[re.Pattern[str]], line: str) -> Row | None:
+    """The named groups that matched, of the first of `patterns` that matches `line`."""
+    for found in patterns:
+        match = found.search(line)
+        if match is not None:
+            return {k: v for k, v in match.groupdict().items() if v is not None}
+    return None
+
+
+def numeric(row: Row) -> Row:
+    """The fields of `row` whose text is a number."""
+    return {k: v for k, v in row.items() if NUMERIC.fullmatch(v.strip())}
+
+
 @dataclass
 class ParsedLines:
     """Training rows and evaluation rows, in file order; a row printed again for the same step
@@ -134,46 +148,36 @@ class LineFormat:
         return out
 
     def _train_row(self, line: str) -> Row | None:
-        for pattern in self.train:
-            match = pattern.search(line)
-            if match is None:
-                continue
-            row: Row | None = {k: v for k, v in match.groupdict().items() if v is not None}
-            assert row is not None
-            for key, found in self.fields.items():
-                hit = found.search(line)
-                if hit is not None and key not in row:
-                    row[key] = hit[key]
-            if self.adjust is not None:
-                row = self.adjust(row, line)
+        row = first_match(self.train, line)
+        if row is None:
+            return None
+        for key, found in self.fields.items():
+            hit = found.search(line)
+            if hit is not None and key not in row:
+                row[key] = hit[key]
+        if self.adjust is not None:
+            row = self.adjust(row, line)
             if row is None:
                 return None
-            row = {k: v for k, v in row.items() if NUMERIC.fullmatch(v.strip())}  # "n/a", "--"
-            return row if "step" in row and "loss" in row else None
-        return None
+        row = numeric(row)  # "n/a", "--"
+        return row if "step" in row and "loss" in row else None
 
     def _side_row(self, line: str) -> Row | None:
-        for found in self.side:
-            match = found.search(line)
-            if match is None:
-                continue
-            row = {k: v for k, v in match.groupdict().items() if v is not None}
-            row = {k: v for k, v in row.items() if NUMERIC.fullmatch(v.strip())}
-            return row if "step" in row and any(k in row for k in FIELDS) else None
-        return None
+        row = first_match(self.side, line)
+        if row is None:
+            return None
+        row = numeric(row)
+        return row if "step" in row and any(k in row for k in FIELDS) else None
 
     def _eval_row(self, line: str) -> Row | None:
-        for pattern in self.evals:
-            match = pattern.search(line)
-            if match is None:
-                continue
-            row = {k: v for k, v in match.groupdict().items() if v is not None}
-            step = self.fields.get("step")
-            hit = step.search(line) if step is not None and "step" not in row else None
-            if hit is not None:
-                row["step"] = hit["step"]
-            return row
-        return None
+        row = first_match(self.evals, line)
+        if row is None:
+            return None
+        step = self.fields.get("step")
+        hit = step.search(line) if step is not None and "step" not in row else None
+        if hit is not None:
+            row["step"] = hit["step"]
+        return row
 
     def read(self, path: Path, options: ReadOptions) -> list[LogData]:
         try:
