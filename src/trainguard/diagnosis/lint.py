@@ -11,7 +11,7 @@ import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.fx
@@ -256,7 +256,7 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     for m in model.modules():
         if isinstance(m, torch_layers):
             found[id(m)] = m
-        elif isinstance(m, (nn.ModuleList, nn.Sequential)) and len({type(c) for c in m}) == 1:
+        elif _repeated(m):
             for block in m:
                 if not _is_norm(block) and any(_is_norm(s) for s in block.modules()):
                     found.setdefault(id(block), block)
@@ -361,11 +361,16 @@ def _depth(model: nn.Module) -> int:
     """The number of repeated blocks: the longest ModuleList or Sequential of one block class."""
     depth = 0
     for m in model.modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m):
-            kinds = {type(c) for c in m}
-            if len(kinds) == 1 and not isinstance(m[0], (nn.Linear, nn.ReLU, nn.GELU)):
-                depth = max(depth, len(m))
+        if _repeated(m) and not isinstance(m[0], (nn.Linear, nn.ReLU, nn.GELU)):
+            depth = max(depth, len(m))
     return depth
+
+
+def _repeated(module: nn.Module) -> TypeGuard[nn.ModuleList | nn.Sequential]:
+    """A ModuleList or Sequential of modules of one class (a stack of blocks, or of layers)."""
+    return (
+        isinstance(module, (nn.ModuleList, nn.Sequential)) and len({type(c) for c in module}) == 1
+    )
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
