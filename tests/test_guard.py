@@ -141,7 +141,8 @@ def test_policy_skip_budget_and_halt_on():
     event = Event(step=0, kind="divergence", severity="critical", message="rising")
     decision = policy.decide(MetricPoint(step=0, loss=3.0), [event])
     assert decision.action == "halt" and "rising" in decision.reason
-    assert event.action == "halt"
+    assert decision.events[0].action == "halt"
+    assert event.action is None  # the policy does not edit the events it is given
 
 
 def test_halt_on_divergence_raises_from_step():

@@ -221,7 +221,7 @@ def test_a_short_clean_run_is_left_alone(short_clean):
     guard, found, _ = short_clean
     assert guard.global_step == 300
     assert guard.action_counts == {"step": 300, "skip": 0, "rollback": 0, "halt": 0}
-    assert guard.quarantine.records == [] and guard.recovery.snapshot_every == 15
+    assert guard.quarantine.records == [] and guard.recovery.config.snapshot_every == 15
     assert not [e for e in found if e.kind in ("rollback", "data_skipped", "quarantine")]
 
 

@@ -491,8 +491,8 @@ def test_snapshots_come_as_often_as_their_budget_allows_only_where_the_data_goes
     config = tg.GuardConfig(console=False, diagnosis={"total_steps": 200})
     guard = tg.Guard(model, opt, config=config)
     assert guard.snapshot_interval == 10  # nothing measured yet
-    guard._snapshot_seconds = 0.0001
-    guard._step_times.extend([0.05] * 5)
+    guard.recovery.snapshot_seconds = 0.0001
+    guard.recovery.step_times.extend([0.05] * 5)
     assert not guard.rewinds_data and guard.snapshot_interval == 3  # (5 + 1) / (3 - 1) steps
     (spikes,) = [d for d in guard.detectors.detectors if d.name == "loss_spike"]
     assert spikes.confirm_steps == 2  # each step waited is lost where the data goes on
@@ -501,8 +501,8 @@ def test_snapshots_come_as_often_as_their_budget_allows_only_where_the_data_goes
     assert spikes.confirm_steps == 0  # the whole window: a short fault ends before the replay
     fixed = tg.GuardConfig(console=False, recovery={"snapshot_every": 7})
     pinned = tg.Guard(model, opt, config=fixed)
-    pinned._snapshot_seconds = 0.0001
-    pinned._step_times.extend([0.05] * 5)
+    pinned.recovery.snapshot_seconds = 0.0001
+    pinned.recovery.step_times.extend([0.05] * 5)
     assert pinned.snapshot_interval == 7  # the user's interval is kept
 
 

@@ -125,8 +125,9 @@ class _Evil:
 def test_retention_keeps_the_newest_and_the_last_good_before_an_incident(tmp_path):
     guard, model = _tiny_guard(tmp_path)
     _train(guard, model, 20)
-    guard._last_good_checkpoint = 20
-    guard._protect_last_good()  # as a rollback or halt does
+    assert guard.checkpointing is not None
+    guard.checkpointing.last_good = 20
+    guard.checkpointing.protect_last_good()  # as a rollback or halt does
     _train(guard, model, 60)
     guard.close()
     kept = [p.name for p in CheckpointStore(tmp_path / "checkpoints").complete()]

@@ -16,20 +16,28 @@ from trainguard.events import (
     ConfigError,
     Decision,
     Event,
+    EventKind,
     TrainguardError,
     TrainingHalted,
+    register_event_kind,
 )
 
 if TYPE_CHECKING:
+    from trainguard.actions.user_actions import ActionTarget, GuardAction, register_action
     from trainguard.diagnosis import NonFiniteReport, ScanResult, scan, trace_nonfinite
     from trainguard.diagnosis.lint import Finding, lint
     from trainguard.guard import Guard
+    from trainguard.monitor import Monitor
 
 __version__ = "0.1.0"
 
 # The parts that need torch load on first use, so `trainguard analyze` and `report` start fast.
 _LAZY = {
     "Guard": "trainguard.guard",
+    "Monitor": "trainguard.monitor",
+    "ActionTarget": "trainguard.actions.user_actions",
+    "GuardAction": "trainguard.actions.user_actions",
+    "register_action": "trainguard.actions.user_actions",
     "NonFiniteReport": "trainguard.diagnosis",
     "ScanResult": "trainguard.diagnosis",
     "scan": "trainguard.diagnosis",
@@ -46,20 +54,26 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ActionTarget",
     "ConfigError",
     "Decision",
     "DetectorSuite",
     "Event",
+    "EventKind",
     "Finding",
     "Guard",
+    "GuardAction",
     "GuardConfig",
     "MetricPoint",
+    "Monitor",
     "NonFiniteReport",
     "ScanResult",
     "TrainguardError",
     "TrainingHalted",
     "__version__",
     "lint",
+    "register_action",
+    "register_event_kind",
     "scan",
     "trace_nonfinite",
 ]

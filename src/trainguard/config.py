@@ -19,7 +19,7 @@ from pydantic import (
     field_validator,
 )
 
-from trainguard.events import EVENT_KINDS, ConfigError
+from trainguard.events import ConfigError, known_kinds
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -303,9 +303,9 @@ class AlertRule(_Section):
     @field_validator("kinds")
     @classmethod
     def _known(cls, kinds: list[str]) -> list[str]:
-        unknown = sorted(set(kinds) - set(EVENT_KINDS) - {"loss_above_ema"})
+        unknown = sorted(set(kinds) - set(known_kinds()) - {"loss_above_ema"})
         if unknown:
-            raise ValueError(f"unknown event kinds {unknown}; known: {', '.join(EVENT_KINDS)}")
+            raise ValueError(f"unknown event kinds {unknown}; known: {', '.join(known_kinds())}")
         return kinds
 
 
@@ -546,9 +546,9 @@ class PolicyConfig(_Section):
     @field_validator("skip_on", "halt_on")
     @classmethod
     def _known_kinds(cls, kinds: list[str]) -> list[str]:
-        unknown = sorted(set(kinds) - set(EVENT_KINDS))
+        unknown = sorted(set(kinds) - set(known_kinds()))
         if unknown:
-            raise ValueError(f"unknown event kinds {unknown}; known: {', '.join(EVENT_KINDS)}")
+            raise ValueError(f"unknown event kinds {unknown}; known: {', '.join(known_kinds())}")
         return kinds
 
 

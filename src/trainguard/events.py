@@ -4,44 +4,87 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Literal
 
 Severity = Literal["info", "warning", "critical"]
 Action = Literal["step", "skip", "rollback", "halt"]
 SpikeType = Literal["gradient_explosion", "data_toxicity", "optimizer", "architecture"]
 
-EVENT_KINDS: tuple[str, ...] = (
-    "loss_spike",
-    "spike_classified",
-    "spike_samples",
-    "grad_spike",
-    "nonfinite",
-    "nan_origin",
-    "fp16_overflow",
-    "grad_explosion",
-    "vanishing_gradients",
-    "weight_jump",
-    "stall",
-    "divergence",
-    "oscillation",
-    "health",
-    "rank_outlier",
-    "straggler",
-    "routing_collapse",
-    "lint",
-    "rollback",
-    "lr_reduced",
-    "rollback_unavailable",
-    "data_skipped",
-    "data_exhausted",
-    "quarantine",
-    "checkpoint",
-    "resume",
-    "halt",
-    "run_closed",
-)
+
+class EventKind(str, Enum):
+    """Every kind of event trainguard writes: the one registry of kinds (the events schema's
+    `kind` enum is generated from it). A member compares equal to its string."""
+
+    LOSS_SPIKE = "loss_spike"
+    SPIKE_CLASSIFIED = "spike_classified"
+    SPIKE_SAMPLES = "spike_samples"
+    GRAD_SPIKE = "grad_spike"
+    NONFINITE = "nonfinite"
+    NAN_ORIGIN = "nan_origin"
+    FP16_OVERFLOW = "fp16_overflow"
+    GRAD_EXPLOSION = "grad_explosion"
+    VANISHING_GRADIENTS = "vanishing_gradients"
+    WEIGHT_JUMP = "weight_jump"
+    STALL = "stall"
+    DIVERGENCE = "divergence"
+    OSCILLATION = "oscillation"
+    HEALTH = "health"
+    RANK_OUTLIER = "rank_outlier"
+    STRAGGLER = "straggler"
+    ROUTING_COLLAPSE = "routing_collapse"
+    LINT = "lint"
+    ROLLBACK = "rollback"
+    LR_REDUCED = "lr_reduced"
+    ROLLBACK_UNAVAILABLE = "rollback_unavailable"
+    DATA_SKIPPED = "data_skipped"
+    DATA_EXHAUSTED = "data_exhausted"
+    QUARANTINE = "quarantine"
+    CHECKPOINT = "checkpoint"
+    RESUME = "resume"
+    HALT = "halt"
+    RUN_CLOSED = "run_closed"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+EVENT_KINDS: tuple[str, ...] = tuple(kind.value for kind in EventKind)
+CUSTOM_KIND = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")  # "mylab.loss_plateau"
+_custom_kinds: dict[str, str] = {}
+
+
+def register_event_kind(name: str, description: str) -> str:
+    """Register the kind of event a user's detector or action raises; it must be a dotted name
+    (`"mylab.loss_plateau"`), so it never clashes with a built-in `EventKind`."""
+    if not CUSTOM_KIND.match(name):
+        raise TrainguardError(
+            f"event kind {name!r} must be a dotted lower-case name, such as 'mylab.{name}', so "
+            "it cannot clash with trainguard's own kinds"
+        )
+    _custom_kinds[name] = description
+    return name
+
+
+def known_kinds() -> tuple[str, ...]:
+    """The built-in kinds, then those registered with `register_event_kind`."""
+    return EVENT_KINDS + tuple(_custom_kinds)
+
+
+def events_schema_kind() -> dict[str, Any]:
+    """The `kind` property of the events schema: a built-in kind, or a registered dotted one."""
+    return {
+        "anyOf": [
+            {"enum": list(EVENT_KINDS)},
+            {"type": "string", "pattern": CUSTOM_KIND.pattern},
+        ],
+        "description": "An EventKind, or a kind registered with trainguard.register_event_kind.",
+    }
+
+
 SPIKE_TYPES: tuple[str, ...] = ("gradient_explosion", "data_toxicity", "optimizer", "architecture")
 SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
 
@@ -75,6 +118,9 @@ class Event:
     action: Action | None = None
     time: str = field(default_factory=_utc_now)
     rank: int | None = None  # in a distributed run, the rank the event is about
+
+    def __post_init__(self) -> None:
+        self.kind = str(self.kind)  # an `EventKind` member is kept as its plain string
 
     def to_dict(self) -> dict[str, Any]:
         """The event as one JSON-ready object, in the schema of `events.jsonl`."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from trainguard.config import PolicyConfig, RecoveryConfig
 from trainguard.detectors.base import MetricPoint
-from trainguard.events import Action, Decision, Event
+from trainguard.events import Action, Decision, Event, EventKind
 
 SAME_REGION = 2  # rollbacks to targets this many snapshot intervals apart hit the same region
 MAX_WIDENING = 3  # the skip doubles with each repeat in a region, up to 2**3 times
@@ -91,7 +92,7 @@ class StepPolicy:
         """A suspect batch whose spike's follow-up confirms data toxicity is quarantined; one
         whose spike is re-typed (now or after a confirmation) is released."""
         for e in events:
-            if e.kind != "spike_classified":
+            if e.kind != EventKind.SPIKE_CLASSIFIED:
                 continue
             spike = int(e.metrics.get("spike_step", e.step))
             if e.type == "data_toxicity" and spike in self.suspects:
@@ -111,7 +112,7 @@ class StepPolicy:
         kinds = {e.kind for e in events}
         step = point.step
         nonfinite = (
-            "nonfinite" in kinds
+            EventKind.NONFINITE in kinds
             or not point.loss_finite
             or (not point.grads_finite and not point.overflow)
         )
@@ -150,7 +151,7 @@ class StepPolicy:
                 return decision
         if point.overflow:
             return self._decide(point, events, "skip", "fp16 overflow: the scaler skipped it")
-        if rec.enabled and "oscillation" in kinds:
+        if rec.enabled and EventKind.OSCILLATION in kinds:
             decision = self._decide(point, events, "step", "oscillation: LR lowered")
             decision.lr_factor = self._next_lr_factor()
             return decision
@@ -161,7 +162,7 @@ class StepPolicy:
                 reasons = ", ".join(sorted({e.kind for e in skipping}))
                 decision = self._decide(point, events, "skip", f"skipped for {reasons}")
                 decision.suspect = cfg.quarantine and any(
-                    e.kind == "loss_spike" and e.type == "data_toxicity" and clears_noise(e)
+                    e.kind == EventKind.LOSS_SPIKE and e.type == "data_toxicity" and clears_noise(e)
                     for e in skipping
                 )
                 if decision.suspect:  # quarantined only when the spike's follow-up confirms
@@ -186,12 +187,12 @@ class StepPolicy:
         snapshot lies before the incident (then `_no_target` names it, for an LR cut)."""
         for e in events:
             decision: Decision | None = None
-            if e.kind == "loss_spike" and e.type == "gradient_explosion":
+            if e.kind == EventKind.LOSS_SPIKE and e.type == "gradient_explosion":
                 start = int(e.metrics.get("since_step", e.step))  # a lasting jump's first step
                 decision = self._rollback(
                     point, events, start, "gradient-explosion spike", True, has_target
                 )
-            elif e.kind == "spike_classified" and e.type == "gradient_explosion":
+            elif e.kind == EventKind.SPIKE_CLASSIFIED and e.type == "gradient_explosion":
                 spike = int(e.metrics.get("spike_step", e.step))
                 sudden = e.metrics.get("previous_type") == "data_toxicity"  # no build-up
                 margin = self.recovery.sudden_margin if sudden else None
@@ -207,11 +208,13 @@ class StepPolicy:
                     margin,
                     sudden=sudden,
                 )
-            elif e.kind in ("divergence",) or (
-                e.kind == "spike_classified" and e.type == "architecture"
+            elif e.kind == EventKind.DIVERGENCE or (
+                e.kind == EventKind.SPIKE_CLASSIFIED and e.type == "architecture"
             ):
-                start = e.step - (int(e.metrics.get("window", 0)) if e.kind == "divergence" else 0)
-                if e.kind == "spike_classified":
+                start = e.step - (
+                    int(e.metrics.get("window", 0)) if e.kind == EventKind.DIVERGENCE else 0
+                )
+                if e.kind == EventKind.SPIKE_CLASSIFIED:
                     start = int(e.metrics.get("spike_step", e.step))
                 if not has_target(start):
                     self._no_target = start
@@ -303,9 +306,10 @@ class StepPolicy:
 
     @staticmethod
     def _decide(point: MetricPoint, events: list[Event], action: Action, reason: str) -> Decision:
-        for event in events:
-            event.action = action
-        return Decision(step=point.step, action=action, events=events, reason=reason)
+        """The decision, with copies of `events` that carry its action (the events stay as the
+        detectors raised them)."""
+        acted = [dataclasses.replace(event, action=action) for event in events]
+        return Decision(step=point.step, action=action, events=acted, reason=reason)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,197 @@
+"""`Checkpointing`: durable checkpoints of a guarded run (save, verify, resume), and the earlier
+run's checkpoints kept out of its way."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainguard.actions.checkpoint_files import DamagedCheckpoint, passed_over
+from trainguard.actions.checkpoints import (
+    CheckpointStore,
+    load_sharded,
+    prepare_restore,
+    sharded_training_state,
+    training_state,
+)
+from trainguard.distributed import RankContext
+from trainguard.events import _utc_now
+
+Warn = Callable[[str], None]  # a line about the checkpoints, recorded as a `checkpoint` event
+CheckState = Callable[[dict[str, Any]], None]  # raises `DamagedCheckpoint` on a bad guard state
+
+
+class Checkpointing:
+    """Writes the training state with the guard's own state to `run_dir/checkpoints` and finds
+    the newest one that verifies and fits the live objects, on every rank alike."""
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        scaler: Any,
+        ranks: RankContext | None,
+        warn: Warn,
+    ) -> None:
+        self.store = store
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.ranks = ranks
+        self.warn = warn
+        self.last_good: int | None = None  # the newest checkpoint taken in a healthy window
+        self.continues_a_run = False  # resumed, or given a state: the checkpoints are its own
+
+    def save(
+        self,
+        step: int,
+        known_good: bool,
+        guard_state: dict[str, Any],
+        data_state: dict[str, Any] | None,
+        manifest: dict[str, Any],
+    ) -> None:
+        """Write a checkpoint of the state at the start of `step` (asynchronous by default: this
+        blocks only while the tensors are staged)."""
+        if not self.continues_a_run:
+            self.continues_a_run = True
+            self._set_aside_earlier()
+        if known_good:
+            self.last_good = step
+        if self.ranks is None:
+            tensors, plain = training_state(self.model, self.optimizer, self.scheduler, self.scaler)
+        else:
+            tensors, plain = sharded_training_state(
+                self.model, self.optimizer, self.scheduler, self.scaler, self.ranks.rank
+            )
+        plain.update(
+            {
+                "guard": guard_state,
+                "data": data_state,
+                "protected": sorted(self.store.protected),
+                "last_good_checkpoint": self.last_good,
+            }
+        )
+        self.store.save(step, tensors, plain, manifest)
+        self.report_errors()
+
+    def protect_last_good(self) -> None:
+        """Keep the newest known-good checkpoint before an incident, whatever the retention."""
+        if self.last_good is not None:
+            self.store.protected.add(self.last_good)
+
+    def report_errors(self) -> None:
+        """Say what a background write that failed left behind (each failure once)."""
+        errors, self.store.errors = self.store.errors, []
+        for error in errors:
+            self.warn(error)
+
+    def wait(self) -> None:
+        """Let a checkpoint still being written finish."""
+        self.store.wait()
+        self.report_errors()
+
+    def _set_aside_earlier(self) -> None:
+        """Before a new run's first checkpoint, move an earlier run's checkpoints in the same
+        run_dir aside, so that none is replaced: a restart that forgot `Guard.resume` loses
+        nothing."""
+        directory = self.store.directory
+        earlier = self.store.complete()
+        if not earlier or (self.ranks is not None and not self.ranks.is_leader):
+            return
+        hint = "use tg.Guard.resume(...) to carry on from a run"
+        if self.ranks is not None:  # other ranks write into the folder: it cannot move now
+            self.warn(
+                f"{directory} holds checkpoints of an earlier run (newest {earlier[0].name}); "
+                f"this run started at step 0 replaces them as it reaches their steps: {hint}"
+            )
+            return
+        stamp = _utc_now().replace(":", "").replace("+", "")[:17]
+        aside = directory.with_name(f"{directory.name}-earlier-{stamp}")
+        try:
+            os.rename(directory, aside)
+        except OSError as exc:
+            self.warn(
+                f"{directory} holds an earlier run's checkpoints and cannot be moved "
+                f"aside ({exc.strerror}); this run replaces them as it goes: {hint}"
+            )
+            return
+        self.warn(
+            f"{directory} held checkpoints of an earlier run (newest {earlier[0].name}): moved to "
+            f"{aside.name}, so that this run, started at step 0, replaces none of them; {hint}"
+        )
+
+    def restore_newest(
+        self, check: CheckState
+    ) -> tuple[dict[str, Any], Path, dict[str, Any]] | None:
+        """Load the newest checkpoint that verifies and fits into the live objects; its manifest,
+        folder and plain state, or None (said) when none is usable. `check` vets the guard state
+        before anything live is touched."""
+        self.continues_a_run = True
+        if self.ranks is not None:
+            found_dist = self._newest_for_all_ranks()
+            if found_dist is None:
+                return None
+            manifest, path = found_dist
+            plain = load_sharded(
+                self.store,
+                path,
+                manifest,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.scaler,
+                self.ranks.rank,
+            )
+            check(plain)
+        else:
+
+            def fits(
+                path: Path, tensors: dict[str, torch.Tensor], plain: dict[str, Any]
+            ) -> Callable[[], None]:  # one that does not fit the run raises: all older alike
+                apply = prepare_restore(
+                    path, tensors, plain, self.model, self.optimizer, self.scheduler, self.scaler
+                )
+                check(plain)
+                return apply
+
+            found = self.store.load_newest(self.warn, fits)
+            if found is None:
+                self.warn(f"no usable checkpoint in {self.store.directory}: starting at step 0")
+                return None
+            manifest, plain, apply = found
+            path = Path(manifest["path"])
+            apply()
+        self.store.protected = set(plain.get("protected", []))
+        self.last_good = plain.get("last_good_checkpoint")
+        return manifest, path, plain
+
+    def _newest_for_all_ranks(self) -> tuple[dict[str, Any], Path] | None:
+        """Rank 0 picks the newest checkpoint that verifies; every rank gets its choice."""
+        ranks = self.ranks
+        if ranks is None:
+            return None
+        choice: list[Any] = [None]
+        if ranks.is_leader:
+            for path in self.store.complete():
+                try:
+                    manifest = self.store.verify(path)
+                except DamagedCheckpoint as exc:
+                    self.warn(passed_over(path, exc))
+                    continue
+                manifest["path"] = str(path)
+                choice = [manifest]
+                break
+        torch.distributed.broadcast_object_list(choice, src=0, group=ranks.group)
+        if choice[0] is None:
+            self.warn(f"no usable checkpoint in {self.store.directory}: starting at step 0")
+            return None
+        manifest = dict(choice[0])
+        return manifest, Path(manifest["path"])
