@@ -50,6 +50,14 @@ def test_config_prints_defaults_and_checks_files(tmp_path):
     assert len(out.stderr.strip().splitlines()) <= 2  # one logical line, maybe wrapped
 
 
+def test_config_reference_prints_the_markdown_reference(tmp_path):
+    out = run("config", "--reference")
+    assert out.returncode == 0 and out.stdout.startswith("# Configuration reference\n")
+    assert "## recovery" in out.stdout and "| `checkpoint_every` | `int` | `500` |" in out.stdout
+    with_file = run("config", "--reference", str(tmp_path / "guard.yaml"))
+    assert with_file.returncode == 2 and with_file.stderr.startswith("error:")
+
+
 def test_demo_recovers_from_the_four_planted_incidents(tmp_path):
     out = run("demo", "--steps", "200", "--run-dir", str(tmp_path / "demo"))
     assert out.returncode == 0, out.stderr

@@ -89,8 +89,23 @@ def demo(
 @app.command()
 def config(
     path: Annotated[Path | None, typer.Argument(help="A YAML or TOML config to check.")] = None,
+    reference: Annotated[
+        bool,
+        typer.Option(
+            "--reference",
+            help="Print the reference of every setting (type, default, description) as Markdown.",
+        ),
+    ] = False,
 ) -> None:
-    """Print the effective configuration (the defaults, or PATH merged over them) as YAML."""
+    """Print the effective configuration (the defaults, or PATH merged over them) as YAML; with
+    --reference, every setting's type, default and description as Markdown."""
+    if reference:
+        if path is not None:
+            _fail("--reference describes the defaults and takes no config file; drop PATH")
+        from trainguard.config_reference import config_reference
+
+        typer.echo(config_reference(), nl=False)
+        return
     cfg = GuardConfig.load(path) if path is not None else GuardConfig()
     typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
 

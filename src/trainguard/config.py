@@ -34,7 +34,7 @@ class _Section(BaseModel):
 class LossSpikeConfig(_Section):
     """A jump of the loss far above its recent level (z-score rule) or a gross ratio over it."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="Watch the loss for spikes.")
     window: int = Field(100, ge=8, description="Recent non-spike losses that form the baseline.")
     warmup: int = Field(20, ge=4, description="Observations before the detector arms.")
     z_threshold: float = Field(10.0, gt=0, description="Noise standard deviations over the level.")
@@ -92,9 +92,11 @@ class LossSpikeConfig(_Section):
 class GradSpikeConfig(_Section):
     """A global gradient norm far above its recent average."""
 
-    enabled: bool = True
-    window: int = Field(100, ge=4)
-    warmup: int = Field(20, ge=2)
+    enabled: bool = Field(True, description="Watch the global grad norm for spikes.")
+    window: int = Field(
+        100, ge=4, description="Recent non-spike grad norms whose median is the level."
+    )
+    warmup: int = Field(20, ge=2, description="Grad norms seen before the detector arms.")
     ratio_threshold: float = Field(
         5.0, gt=1, description="Grad norm over this x the median of recent non-spike norms."
     )
@@ -116,7 +118,9 @@ class GradSpikeConfig(_Section):
 class GradExplosionConfig(_Section):
     """A gradient norm that grows step after step, or passes an absolute limit."""
 
-    enabled: bool = True
+    enabled: bool = Field(
+        True, description="Watch the grad norm for steady growth or an absolute limit."
+    )
     growth_steps: int = Field(5, ge=2, description="Consecutive steps of growth.")
     growth_factor: float = Field(
         10.0, gt=1, description="Total growth over those steps, against the pre-growth level."
@@ -163,17 +167,19 @@ class WeightJumpConfig(_Section):
 class VanishingConfig(_Section):
     """A layer group whose gradient norm fell far below its early level, or under a floor."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="Watch each layer group's grad norm for vanishing.")
     reference_steps: int = Field(50, ge=1, description="Steps that set each group's early level.")
     ratio: float = Field(1e-3, gt=0, lt=1, description="Fraction of the early level.")
-    abs_floor: float = Field(1e-8, ge=0)
+    abs_floor: float = Field(
+        1e-8, ge=0, description="A grad norm under this vanishes whatever its early level."
+    )
     patience: int = Field(20, ge=1, description="Consecutive steps below before it is reported.")
 
 
 class StallConfig(_Section):
     """The loss improves by less than a relative tolerance over a long window, with confidence."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="Watch the loss for a stall.")
     window: int = Field(2000, ge=20, description="Steps over which progress is measured.")
     blocks: int = Field(20, ge=5, description="Block means the trend line is fitted to.")
     rel_tol: float = Field(
@@ -185,7 +191,7 @@ class DivergenceConfig(_Section):
     """The loss rises steadily over a window (Mann-Kendall trend test on block medians), by
     `min_rel_rise` and by more than the noise of a block median (`trends.RISE_NOISE`)."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="Watch the loss for a steady rise.")
     window: int = Field(400, ge=20, description="Steps the rise must span, at least half of.")
     blocks: int = Field(20, ge=8, description="Blocks whose medians enter the trend test.")
     z_threshold: float = Field(3.5, gt=0, description="Mann-Kendall z for a rising trend.")
@@ -196,10 +202,10 @@ class OscillationConfig(_Section):
     """Periodic loss swings whose amplitude grows: already swinging (`min_acf`) in the earlier half
     of the window and still growing within the later half: a data bump that starts is no swing."""
 
-    enabled: bool = True
-    window: int = Field(200, ge=32)
-    check_every: int = Field(25, ge=1)
-    min_period: int = Field(4, ge=2)
+    enabled: bool = Field(True, description="Watch the loss for growing periodic swings.")
+    window: int = Field(200, ge=32, description="Latest losses examined for swings.")
+    check_every: int = Field(25, ge=1, description="Steps between checks.")
+    min_period: int = Field(4, ge=2, description="Shortest swing period, in steps.")
     min_acf: float = Field(0.5, gt=0, lt=1, description="Autocorrelation at the period.")
     growth: float = Field(1.5, gt=1, description="Amplitude of the later half over the earlier.")
     min_rel_amplitude: float = Field(
@@ -215,15 +221,20 @@ class OverflowConfig(_Section):
 
 
 class HealthConfig(_Section):
-    """The seed's absolute health thresholds: off by default, as levels depend on the model."""
+    """Fixed absolute levels for the loss, the grad norm and the count of fp16 overflow steps
+    (the original checks): off by default, as sensible levels depend on the model."""
 
-    enabled: bool = False
-    loss_warn: float = 5.0
-    loss_danger: float = 10.0
-    grad_norm_warn: float = 2.0
-    grad_norm_danger: float = 5.0
-    overflow_warn: int = 100
-    overflow_danger: int = 1000
+    enabled: bool = Field(False, description="Check the absolute levels below (`health` events).")
+    loss_warn: float = Field(5.0, description="A loss over this is a warning.")
+    loss_danger: float = Field(10.0, description="A loss over this is critical.")
+    grad_norm_warn: float = Field(2.0, description="A grad norm over this is a warning.")
+    grad_norm_danger: float = Field(5.0, description="A grad norm over this is critical.")
+    overflow_warn: int = Field(
+        100, description="More fp16 overflow steps than this in the run is a warning."
+    )
+    overflow_danger: int = Field(
+        1000, description="More fp16 overflow steps than this in the run is critical."
+    )
 
 
 class RanksConfig(_Section):
@@ -231,7 +242,7 @@ class RanksConfig(_Section):
     gradient reduction) is non-finite, or far out of line with the other ranks in a way this
     run's own history never showed (each rank's normal spread is learned from the run)."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="Compare the ranks of a distributed run step by step.")
     ratio_threshold: float = Field(
         3.0,
         gt=1,
@@ -268,7 +279,7 @@ class RanksConfig(_Section):
 class StragglerConfig(_Section):
     """A rank slower than the median rank, window after window."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="Report ranks that are slow window after window.")
     every: int = Field(20, ge=1, description="Steps per timing window.")
     factor: float = Field(
         1.5,
@@ -294,7 +305,9 @@ class AlertRule(_Section):
     kinds: list[str] = Field(
         default_factory=list, description="Event kinds this rule matches; empty matches all."
     )
-    min_severity: Literal["info", "warning", "critical"] = "warning"
+    min_severity: Literal["info", "warning", "critical"] = Field(
+        "warning", description="Least severity this rule sends."
+    )
     sinks: list[AlertChannel] = Field(
         default_factory=lambda: list(REMOTE_CHANNELS),
         description="Channels: webhook, email, console (the console prints incidents anyway).",
@@ -310,7 +323,7 @@ class AlertRule(_Section):
 
 
 def _default_rules() -> list[AlertRule]:
-    """The seed's checks: NaN, gradient explosion, fp16 overflow storms (a collapsed scale is a
+    """The original checks: NaN, gradient explosion, fp16 overflow storms (a collapsed scale is a
     `nonfinite`), loss over 3 x its EMA; and anything critical, such as a halt."""
     return [
         AlertRule(kinds=["nonfinite", "grad_explosion", "loss_above_ema"], min_severity="warning"),
@@ -325,8 +338,10 @@ class WebhookConfig(_Section):
     url_env: str = Field(
         "TRAINGUARD_WEBHOOK_URL", description="Environment variable holding the URL."
     )
-    format: Literal["slack", "json"] = "slack"
-    timeout_s: float = Field(5.0, gt=0)
+    format: Literal["slack", "json"] = Field(
+        "slack", description='Slack-compatible `{"text": ...}`, or the alert as JSON.'
+    )
+    timeout_s: float = Field(5.0, gt=0, description="Seconds one send may take.")
 
     _url = field_validator("url")(classmethod(lambda cls, v: _unmasked(v)))
 
@@ -334,16 +349,18 @@ class WebhookConfig(_Section):
 class EmailConfig(_Section):
     """Alerts by SMTP with STARTTLS and login; the password is a secret."""
 
-    host: str | None = None
-    port: int = Field(587, ge=1, le=65535)
-    starttls: bool = True
-    user: str | None = None
+    host: str | None = Field(None, description="SMTP server; None is off.")
+    port: int = Field(587, ge=1, le=65535, description="SMTP port.")
+    starttls: bool = Field(True, description="Upgrade the connection with STARTTLS.")
+    user: str | None = Field(None, description="Login user; None sends without login.")
     password: SecretStr | None = Field(None, description="Better given by `password_env`.")
-    password_env: str = "TRAINGUARD_SMTP_PASSWORD"
+    password_env: str = Field(
+        "TRAINGUARD_SMTP_PASSWORD", description="Environment variable holding the password."
+    )
     cafile: str | None = Field(None, description="CA bundle to verify the server (STARTTLS).")
-    sender: str = "trainguard@localhost"
-    to: list[str] = Field(default_factory=list)
-    timeout_s: float = Field(10.0, gt=0)
+    sender: str = Field("trainguard@localhost", description="The From address.")
+    to: list[str] = Field(default_factory=list, description="Recipients (needed with `host`).")
+    timeout_s: float = Field(10.0, gt=0, description="Seconds one send may take.")
 
     _password = field_validator("password")(classmethod(lambda cls, v: _unmasked(v)))
 
@@ -351,14 +368,24 @@ class EmailConfig(_Section):
 class AlertsConfig(_Section):
     """Alerts and metrics sinks: rules, deduplication, delivery, and where each sink goes."""
 
-    rules: list[AlertRule] = Field(default_factory=_default_rules)
+    rules: list[AlertRule] = Field(
+        default_factory=_default_rules,
+        description="Which events go to which channels (see `alerts.rules[]`); the default sends "
+        "NaNs, gradient explosions and loss over its EMA at warning, and anything critical.",
+    )
     interval_s: float = Field(
         600.0, ge=0, description="The same kind at most once per this many seconds per sink."
     )
-    loss_ema_ratio: float = Field(3.0, gt=1, description="The seed's loss over EMA alert.")
-    loss_ema_alpha: float = Field(0.01, gt=0, lt=1)
+    loss_ema_ratio: float = Field(
+        3.0,
+        gt=1,
+        description="The `loss_above_ema` alert (the original check): loss over this x its EMA.",
+    )
+    loss_ema_alpha: float = Field(
+        0.01, gt=0, lt=1, description="Smoothing factor of that EMA (weight of the newest loss)."
+    )
     queue_size: int = Field(100, ge=1, description="Alerts waiting to be sent, at most.")
-    retries: int = Field(3, ge=0)
+    retries: int = Field(3, ge=0, description="Retries of a failed send, per alert.")
     backoff_s: float = Field(1.0, ge=0, description="First retry delay; doubles each time.")
     webhook: WebhookConfig = Field(default_factory=WebhookConfig)
     email: EmailConfig = Field(default_factory=EmailConfig)
@@ -379,19 +406,23 @@ class AlertsConfig(_Section):
     wandb_project: str | None = Field(
         None, description="Log to this Weights & Biases project (trainguard[wandb]); None is off."
     )
-    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    wandb_mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="The W&B run's mode."
+    )
 
 
 class RoutingConfig(_Section):
     """A mixture-of-experts router collapsing onto a few experts."""
 
-    enabled: bool = True
+    enabled: bool = Field(
+        True, description="Watch a mixture-of-experts router (fed by `guard.step(routing=...)`)."
+    )
     reference_steps: int = Field(20, ge=1, description="Steps that set the early entropy.")
     entropy_fraction: float = Field(
         0.5, gt=0, lt=1, description="Entropy under this fraction of its early level."
     )
     max_share: float = Field(0.6, gt=0, le=1, description="One expert's share of the tokens.")
-    patience: int = Field(5, ge=1)
+    patience: int = Field(5, ge=1, description="Steps in a row collapsed before it is reported.")
 
 
 class RecoveryConfig(_Section):
@@ -464,7 +495,9 @@ class RecoveryConfig(_Section):
     nonfinite_rollback: int = Field(
         3, ge=1, description="Non-finite steps within `nonfinite_window` that roll back."
     )
-    nonfinite_window: int = Field(50, ge=1)
+    nonfinite_window: int = Field(
+        50, ge=1, description="Steps over which non-finite steps are counted for a rollback."
+    )
     architecture_rollbacks: int = Field(
         2, ge=1, description="Rollbacks an architecture-type fault survives before a halt."
     )
