@@ -157,7 +157,7 @@ def _schedule(
                 "peak-lr",
                 "warning",
                 f"peak LR {peak:.3g} is above {slack * limit:.3g} for a model of "
-                f"{n_params / 1e6:,.1f}M parameters (the seed's table: 7B 3e-4, 70B 1e-4, "
+                f"{n_params / 1e6:,.1f}M parameters (peak LRs by size: 7B 3e-4, 70B 1e-4, "
                 "405B 8e-5)",
                 f"lower the peak LR to about {limit:.2g}",
             )
