@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from trainguard.events import Severity
 
-# The seed's peak-LR table (parameters -> LR), interpolated log-log by parameter count.
+# A table of peak LRs by model size (parameters -> LR), interpolated log-log by parameter count.
 PEAK_LR_TABLE = ((7e9, 3e-4), (70e9, 1e-4), (405e9, 8e-5))
 SMALL_MODEL_SLACK = 2.0  # below 7B the line is extrapolated: only twice over it is reported
 RESIDUAL_OUT = re.compile(
@@ -54,7 +54,7 @@ class Finding:
 
 
 def peak_lr_limit(n_params: int) -> float:
-    """The seed's peak LR for a model of `n_params` parameters (log-log interpolation)."""
+    """The table's peak LR for a model of `n_params` parameters (log-log interpolation)."""
     segments = list(itertools.pairwise(PEAK_LR_TABLE))
     (n0, lr0), (n1, lr1) = next((seg for seg in segments if n_params <= seg[1][0]), segments[-1])
     slope = math.log(lr1 / lr0) / math.log(n1 / n0)
