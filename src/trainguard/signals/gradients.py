@@ -1,7 +1,7 @@
 """`GradientStats`: fused per-step gradient, parameter and update statistics for one optimizer.
 
-Everything is computed on the device with multi-tensor (`torch._foreach_*`) kernels and packed into
-one tensor that crosses to the host once per step.
+Everything is computed on the device with fused multi-tensor kernels and packed into one tensor
+that crosses to the host once per step.
 """
 
 from __future__ import annotations
@@ -16,6 +16,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainguard._torch_private import (
+    foreach_clone,
+    foreach_norm,
+    foreach_sub_,
+    scaler_found_inf,
+    scaler_scale,
+)
 from trainguard.events import TrainguardError
 from trainguard.signals.layer_groups import LayerGroups
 
@@ -175,7 +182,7 @@ class GradientStats:
 
     def _norms(self, tensors: list[torch.Tensor], layout: _Layout) -> torch.Tensor:
         parts = [
-            torch.stack(torch._foreach_norm(tensors[a:b], 2, dtype=torch.float32)).to(self.device)
+            torch.stack(foreach_norm(tensors[a:b], torch.float32)).to(self.device)
             for a, b in layout.slices
         ]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -222,7 +229,9 @@ class GradientStats:
 
         head = [_loss_tensor(loss, self.device), total, nonfinite.sum()]
         has_scaler = scaler is not None and scaler.is_enabled()
-        scale, found_inf = _scaler_state(scaler, optimizer) if has_scaler else (None, None)
+        scale, found_inf = (
+            _scaler_state(scaler, optimizer) if scaler is not None and has_scaler else (None, None)
+        )
         head.append(scale if scale is not None else torch.zeros((), device=self.device))
         head.append(found_inf if found_inf is not None else torch.zeros((), device=self.device))
         tail: list[torch.Tensor] = []
@@ -339,7 +348,7 @@ class GradientStats:
     def before_optimizer_step(self, step: int) -> None:
         """On sampling steps, keep a copy of the parameters to measure the update against."""
         if self.stats_every and step % self.stats_every == 0:
-            self._prev_params = list(torch._foreach_mul(self._local_params(), 1.0))
+            self._prev_params = foreach_clone(self._local_params())
 
     @torch.no_grad()
     def after_optimizer_step(self, step: int) -> None:
@@ -349,7 +358,7 @@ class GradientStats:
             return
         self._prev_params = None
         params = self._local_params()
-        torch._foreach_sub_(prev, params)
+        foreach_sub_(prev, params)
         upd = self._norms(prev, self._full)
         par = self._norms(params, self._full)
         del prev
@@ -402,15 +411,12 @@ def _loss_tensor(loss: torch.Tensor | float, device: torch.device) -> torch.Tens
 
 
 def _scaler_state(
-    scaler: Any, optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The scaler's current scale and whether its last unscale found inf/NaN, as device tensors."""
-    scale = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else None
+    scale = scaler_scale(scaler)
     found: torch.Tensor | None = None
-    try:
-        per_device = scaler._found_inf_per_device(optimizer)
-    except (AttributeError, KeyError):
-        per_device = {}
+    per_device = scaler_found_inf(scaler, optimizer)
     for t in per_device.values():
         t = t.reshape(()).to(torch.float32)
         found = t if found is None else found + t.to(found.device)
