@@ -10,7 +10,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 
 @dataclass
@@ -60,7 +59,8 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 600.0) -> None:
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = TCPStore(
+    # public and documented; torch's __init__ re-exports it without `as`, which mypy wants
+    store = dist.TCPStore(  # type: ignore[attr-defined]
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         world_size=world,
@@ -68,5 +68,7 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 600.0) -> None:
         timeout=timeout,
         multi_tenant=not agent,
     )
-    prefixed = PrefixStore(f"trainguard/attempt-{attempt}", store)
+    prefixed = dist.PrefixStore(  # type: ignore[attr-defined]
+        f"trainguard/attempt-{attempt}", store
+    )
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
