@@ -186,7 +186,7 @@ class Guard(Monitor):
         measurement = parts.stats.measure(loss, parts.optimizer, self.scaler)
         if self.exchange is not None:
             self._exchange(measurement)
-        parts.actions.clip(measurement.grads, measurement.total_norm)
+        parts.actions.clip(parts.stats.params, measurement.total_norm)
         signals = parts.stats.resolve(measurement)
         point = _point_from_signals(step, signals)
         if routing is not None:

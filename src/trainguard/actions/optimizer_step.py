@@ -38,20 +38,12 @@ class OptimizerActions:
             if "unscale_() has already been called" not in str(exc):
                 raise
 
-    @torch.no_grad()
-    def clip(self, grads: list[torch.Tensor], total_norm: torch.Tensor) -> None:
-        """Scale gradients down to `max_grad_norm` on the device, with no host sync."""
-        if self.max_grad_norm is None or not grads:
+    def clip(self, parameters: list[torch.Tensor], total_norm: torch.Tensor) -> None:
+        """Scale the parameters' gradients down to `max_grad_norm` by the measured `total_norm`
+        (torch's `clip_grads_with_norm_`): launched on the device, with no host sync."""
+        if self.max_grad_norm is None:
             return
-        coef = (self.max_grad_norm / (total_norm + 1e-6)).clamp_(max=1.0)
-        if grads[0].device == grads[-1].device:  # GradientStats orders gradients by device
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
-            return
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g in grads:
-            by_device.setdefault(g.device, []).append(g)
-        for device, group in by_device.items():
-            torch._foreach_mul_(group, coef.to(device))
+        torch.nn.utils.clip_grads_with_norm_(parameters, self.max_grad_norm, total_norm)
 
     def step(self, loss: float) -> None:
         """Apply the update: optimizer step, loss-scale update, scheduler step, LR re-warm."""
