@@ -9,6 +9,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from trainguard._torch_private import foreach_mul_, foreach_norm
+
 
 def _grads(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
     params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
@@ -16,7 +18,8 @@ def _grads(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tens
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    norms = torch._foreach_norm(grads, 2)
+    # not torch's get_total_norm: that sums in the gradients' dtype, this in float32
+    norms = foreach_norm(grads)
     return torch.stack([n.float() for n in norms]).square().sum().sqrt()
 
 
@@ -64,7 +67,7 @@ class AdaptiveClipper:
             )
             threshold = (self.factor * level).clamp(self.min_norm, self.max_norm)
         coef = (threshold / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        foreach_mul_(grads, coef.to(grads[0].dtype))
         finite = torch.isfinite(norm)
         value = norm
         if self.ema is not None and self.count > 0:
@@ -125,10 +128,10 @@ def clip_per_expert_(
             owner.append(e)
     if not grads:
         raise ValueError("no expert parameter has a gradient: call backward() first")
-    sq = torch.stack([n.float() for n in torch._foreach_norm(grads, 2)]).square()
+    sq = torch.stack([n.float() for n in foreach_norm(grads)]).square()
     index = torch.tensor(owner, device=sq.device)
     norms = torch.zeros(len(experts), device=sq.device).index_add_(0, index, sq).sqrt()
     coefs = (max_norm / (norms + 1e-6)).clamp(max=1.0)
     per_grad = coefs[index]
-    torch._foreach_mul_(grads, list(per_grad.unbind()))
+    foreach_mul_(grads, list(per_grad.unbind()))
     return norms

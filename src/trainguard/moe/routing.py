@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from trainguard._torch_private import foreach_norm
+
 
 @dataclass
 class RoutingStats:
@@ -93,6 +95,6 @@ def expert_grad_norms(experts: Sequence[nn.Module]) -> torch.Tensor:
                 owner.append(e)
     if not grads:
         raise ValueError("no expert parameter has a gradient: call backward() first")
-    sq = torch.stack([n.float() for n in torch._foreach_norm(grads, 2)]).square()
+    sq = torch.stack([n.float() for n in foreach_norm(grads)]).square()
     index = torch.tensor(owner, device=sq.device)
     return torch.zeros(len(experts), device=sq.device).index_add_(0, index, sq).sqrt()
