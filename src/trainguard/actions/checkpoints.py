@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
+from trainguard._torch_private import foreach_copy_
 from trainguard.actions.checkpoint_files import (
     DIGEST_SCHEME,
     MANIFEST,
@@ -63,8 +64,10 @@ def _no_dist() -> bool:
     return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
-warnings.filterwarnings(  # also in DCP's writer thread, where a catch_warnings does not reach
-    "ignore", message="torch.distributed is disabled", module="torch.distributed.checkpoint"
+_SINGLE_PROCESS = "torch.distributed is disabled"  # DCP's warning that one process is assumed
+_SINGLE_PROCESS_SAVE = (  # the whole message of that warning from `save`, for an exact filter
+    r"torch\.distributed is disabled, unavailable or uninitialized, "
+    r"assuming the intent is to save in a single process\.$"
 )
 
 
@@ -72,8 +75,22 @@ warnings.filterwarnings(  # also in DCP's writer thread, where a catch_warnings 
 def _quiet_single_process() -> Iterator[None]:
     """DCP warns that one process is assumed when no process group exists: that is the intent."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
         yield
+
+
+def _quiet_writer_thread() -> None:
+    """Before an asynchronous single-process checkpoint: DCP's writer thread gives that warning
+    after the caller's `catch_warnings` has ended, so one filter, for that exact message from
+    DCP's modules only, goes last in the filters (importing trainguard changes none; a filter
+    of the user's comes first; adding it again adds nothing)."""
+    warnings.filterwarnings(
+        "ignore",
+        message=_SINGLE_PROCESS_SAVE,
+        category=UserWarning,
+        module=r"torch\.distributed\.checkpoint\.",
+        append=True,
+    )
 
 
 def step_of(path: Path) -> int:
@@ -94,7 +111,7 @@ class BufferStager(AsyncStager):
         targets: list[torch.Tensor] = []
         staged = self._walk(state_dict, "", sources, targets)
         if sources:
-            torch._foreach_copy_(targets, sources, non_blocking=True)
+            foreach_copy_(targets, sources, non_blocking=True)
             if any(t.is_cuda for t in sources):
                 torch.cuda.synchronize()
         return staged  # type: ignore[no-any-return]
@@ -207,6 +224,8 @@ class CheckpointStore:
 
     def _write(self, tmp: Path, tensors: dict[str, Any], no_dist: bool) -> Any:
         """Start DCP's write of the tensors into `tmp`: a future that completes once written."""
+        if self.asynchronous and no_dist:
+            _quiet_writer_thread()
         with _quiet_single_process():
             if self.asynchronous:
                 return dcp_async_save(
