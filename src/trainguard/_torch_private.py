@@ -1,4 +1,4 @@
-"""Every use of a private torch name in trainguard, each behind one small function.
+"""Every use of a private torch name in trainguard: a small function each, two classes by name.
 
 torch 2.13 offers no public API for these; `tests/test_private_adapter.py` pins the versions they
 are checked against and exercises each one against the installed torch, so an upgrade that moves
@@ -12,15 +12,19 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-# the base class of a mode that sees every aten op; torch 2.13 exports it only from here
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# Two classes, named here rather than wrapped, as subclassing and exact type checks need them:
+# the base of a mode that sees every aten op (torch 2.13 exports it only from a private module),
+# and the class of DCP's per-tensor storage entries in a checkpoint's metadata (DCP keeps it
+# private; `checkpoint_files` checks loaded metadata against it exactly).
+DcpStorageInfo = _StorageInfo
+
 __all__ = [
+    "DcpStorageInfo",
     "TorchDispatchMode",
     "compiled_original",
     "current_autograd_node",
-    "dcp_storage_info_type",
     "foreach_clone",
     "foreach_copy_",
     "foreach_mul_",
@@ -110,9 +114,3 @@ def current_autograd_node() -> Any:
 def compiled_original(module: Any) -> Any:
     """The module a `torch.compile` wrapper holds, or None; the wrapper has no public accessor."""
     return getattr(module, "_orig_mod", None)
-
-
-def dcp_storage_info_type() -> type:
-    """The class of DCP's per-tensor storage entries, to check metadata exactly; DCP keeps it
-    private."""
-    return _StorageInfo

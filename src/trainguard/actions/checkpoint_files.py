@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from trainguard._torch_private import DcpStorageInfo
 from trainguard.events import TrainguardError
 
 MANIFEST = "manifest.json"
@@ -203,7 +204,7 @@ def _check_metadata(metadata: Any, files: dict[str, str] | None) -> None:
     if not isinstance(storage, dict):
         raise DamagedCheckpoint(f"{bad}: no storage table")
     for index, info in storage.items():
-        if type(index) is not MetadataIndex or type(info) is not _StorageInfo:
+        if type(index) is not MetadataIndex or type(info) is not DcpStorageInfo:
             raise DamagedCheckpoint(f"{bad}: a storage entry of the wrong kind")
         name = info.relative_path
         if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or name.startswith("."):
@@ -231,8 +232,10 @@ class SafeReader(FileSystemReader):
         self.files = files
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checked metadata, stamped with this read's `load_id` as `FileSystemReader` does
+        (both public: `StorageReader.read_metadata` and `StorageMeta.load_id`)."""
         metadata = read_metadata(Path(self.path), self.files)
-        assert metadata.storage_meta is not None
+        assert metadata.storage_meta is not None  # `read_metadata` gives every metadata one
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
