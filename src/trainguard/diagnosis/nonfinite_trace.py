@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from trainguard._torch_private import TorchDispatchMode, compiled_original, current_autograd_node
 
 Direction = Literal["forward", "backward", "parameter", "input"]
 MAX_RECORDS = 4096
@@ -178,9 +178,19 @@ class NonFiniteReport:
         return self.origin.describe()
 
 
+def _op_tensors(values: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or results: nested lists, tuples and dicts walked."""
+    if isinstance(values, torch.Tensor):
+        return [values]
+    if isinstance(values, dict):
+        values = list(values.values())
+    if isinstance(values, (list, tuple)):
+        return [t for v in values for t in _op_tensors(v)]
+    return []
+
+
 def _floats(values: Any) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(values)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return [t for t in _op_tensors(values) if t.is_floating_point()]
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -274,10 +284,8 @@ class _TraceState:
 
     def made_here(self, out: Any) -> None:
         """Remember the tensors an op of the replay produced: any other is from outside."""
-        leaves, _ = tree_flatten(out)
-        for t in leaves:
-            if isinstance(t, torch.Tensor):
-                self.made[id(t)] = weakref.ref(t)
+        for t in _op_tensors(out):
+            self.made[id(t)] = weakref.ref(t)
 
     def is_made(self, tensor: torch.Tensor) -> bool:
         ref = self.made.get(id(tensor))
@@ -321,7 +329,7 @@ class _TraceState:
         name = op if op.startswith("aten.") else f"aten.{op}"
         hint = _hint(name, inputs, outputs)
         if self.direction == "backward":
-            node = torch._C._current_autograd_node()
+            node = current_autograd_node()
             if node is not None:  # the backward of which forward op: SqrtBackward0 -> sqrt
                 forward_op = node.name().removesuffix("Backward0").removesuffix("Backward1")
                 name = f"{name} in {node.name()}"
@@ -452,7 +460,7 @@ def _argument_names(model: nn.Module, count: int) -> list[str]:
     target = model
     for _ in range(3):
         positional, star = _positional(target)
-        inner = getattr(target, "module", None) or getattr(target, "_orig_mod", None)
+        inner = getattr(target, "module", None) or compiled_original(target)
         if positional or not isinstance(inner, nn.Module):
             break
         target = inner
