@@ -9,6 +9,7 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import has_length
 
+from trainguard._torch_private import mark_optimizer_stepped, mark_step_wrapped
 from trainguard.config import GuardConfig
 from trainguard.events import TrainguardError, TrainingHalted
 from trainguard.guard import Guard
@@ -109,11 +110,11 @@ class TrainguardCallback(TrainerCallback):
         def guarded_step(*step_args: Any, **step_kwargs: Any) -> None:
             callback._step()
             for opt in (optimizer, inner):  # what torch's LR scheduler checks was stepped
-                opt._opt_called = True
+                mark_optimizer_stepped(opt)
 
         # torch's LR scheduler checks that optimizer.step is still its counting wrapper: it is
         # replaced on purpose, and the real step is taken inside the guard
-        guarded_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        mark_step_wrapped(guarded_step)
         optimizer.step = guarded_step  # the Trainer calls this once per optimizer step
 
     def _capture(

@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from trainguard._torch_private import mark_optimizer_stepped, mark_step_wrapped
 from trainguard.config import GuardConfig
 from trainguard.events import TrainguardError, TrainingHalted
 from trainguard.guard import Guard
@@ -103,12 +104,12 @@ class TrainguardCallback(pl.Callback):
                 trainer.should_stop = True
             finally:
                 callback._inside = False
-            optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's LR scheduler asks
+            mark_optimizer_stepped(optimizer)  # torch's LR scheduler asks
             return loss
 
         # torch's LR scheduler checks that optimizer.step is still its counting wrapper: it is
         # replaced on purpose, and the real step is taken inside the guard
-        guarded_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        mark_step_wrapped(guarded_step)
         setattr(optimizer, "step", guarded_step)  # noqa: B010 - the step, replaced on purpose
 
     def on_train_batch_start(
