@@ -4,8 +4,6 @@ records, through named components that each own one concern."""
 from __future__ import annotations
 
 import dataclasses
-import math
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,7 +190,7 @@ class Guard(Monitor):
         if routing is not None:
             point.routing = routing.to_point()
         if self.exchange is not None:
-            _add_rank_figures(point, signals.extra, self.exchange.context.world_size)
+            self.exchange.add_rank_figures(point, signals.extra)
         # detect and decide
         decision, events = self._decide(
             point, batch_ids, self.recovery.has_target, parts.stats.group_report
@@ -328,27 +326,16 @@ class Guard(Monitor):
 
     # -- distributed ----------------------------------------------------------------------------
     def _exchange(self, m: Measurement) -> None:
-        """The step's one collective: every rank's loss, non-finite count, shard norms, own
-        gradient norm before the reduction, and timings; the figures become global."""
-        assert self.exchange is not None and self._training is not None
-        device = self._training.stats.device
-        now = time.perf_counter()
-        hook = self._local_norm
-        nan = torch.full((), math.nan, device=device)
-        own_sq = hook.sq if hook is not None and hook.sq is not None else nan
+        """The step's one collective (`StepExchange.share`): the figures become global."""
+        assert self.exchange is not None
         batches = self.recovery.batches
-        ready = batches.ready_at if batches is not None else None
-        wait = batches.data_wait if batches is not None else 0.0
-        start = ready if ready is not None else self.recorder.last_step_time
-        end = hook.first_ready if hook is not None and hook.first_ready is not None else now
-        compute = end - start if start is not None else math.nan
-        timing = torch.tensor([wait + compute, wait], device=device)
-        vector = torch.cat([m.rank_vector(), own_sq.reshape(1), timing])
-        gathered = self.exchange.gather(vector)
-        m.combine(gathered[:, : vector.numel() - 3])
-        m.extra = gathered[:, [0, vector.numel() - 3, vector.numel() - 2, vector.numel() - 1]]
-        if hook is not None:
-            hook.reset()
+        self.exchange.share(
+            m,
+            hook=self._local_norm,
+            ready_at=batches.ready_at if batches is not None else None,
+            data_wait=batches.data_wait if batches is not None else 0.0,
+            last_step_time=self.recorder.last_step_time,
+        )
 
     # -- durable checkpoints ----------------------------------------------------------------------
     def _maybe_checkpoint(self) -> None:
@@ -514,16 +501,6 @@ def _version() -> str:
     from trainguard import __version__
 
     return __version__
-
-
-def _add_rank_figures(point: MetricPoint, extra: list[float], world: int) -> None:
-    """Per-rank columns of the exchange: loss, own grad norm squared, step time, data wait."""
-    rows = [extra[r * 4 : (r + 1) * 4] for r in range(world)]
-    point.rank_losses = [r[0] for r in rows]
-    if not all(math.isnan(r[1]) for r in rows):  # all NaN: no DDP hook measured them
-        point.rank_grad_norms = [math.sqrt(r[1]) if r[1] >= 0 else r[1] for r in rows]
-    point.rank_step_times = [r[2] for r in rows]
-    point.rank_data_waits = [r[3] for r in rows]
 
 
 def _point_from_signals(step: int, s: StepSignals) -> MetricPoint:

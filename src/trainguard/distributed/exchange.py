@@ -1,13 +1,74 @@
-"""`StepExchange`: the guard's one collective per step, an all-gather of a small per-rank vector;
-and `local_grad_norm_hook`, a DDP communication hook that measures each rank's gradients before
-they are averaged."""
+"""`StepExchange`: the guard's one collective per step, an all-gather of each rank's `RankRow`
+read back as named `RankColumns`; and `local_grad_norm_hook`, a DDP communication hook that
+measures each rank's gradients before they are averaged."""
 
+import math
 import time
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from trainguard.distributed.context import RankContext
+
+if TYPE_CHECKING:
+    from trainguard.detectors import MetricPoint
+    from trainguard.signals.gradients import Measurement
+
+# the scalar fields of a row, in their place in the gathered tensor; the groups' block follows
+_SCALARS = ("loss", "nonfinite", "shard_sq", "own_sq", "step_time", "data_wait")
+# the per-rank figures that reach the host, in their order within each rank's part of `extra`
+_PER_RANK = ("loss", "own_sq", "step_time", "data_wait")
+
+
+@dataclass
+class RankRow:
+    """One rank's part of the step's exchange, as device tensors: scalars, and one squared norm a
+    layer group in `group_shard_sq`."""
+
+    loss: torch.Tensor
+    nonfinite: torch.Tensor  # this rank's count of non-finite gradients
+    shard_sq: torch.Tensor  # squared norm of this rank's own gradient shards (FSDP2)
+    own_sq: torch.Tensor  # squared norm of its gradients before DDP averages them; NaN: unmeasured
+    step_time: torch.Tensor  # seconds of data wait and compute
+    data_wait: torch.Tensor
+    group_shard_sq: torch.Tensor  # `shard_sq` per layer group
+
+    def pack(self) -> torch.Tensor:
+        """The row as one float32 vector: the scalars in `_SCALARS` order, then the groups."""
+        device = self.loss.device
+        scalars = [getattr(self, name).to(device, torch.float32).reshape(()) for name in _SCALARS]
+        groups = self.group_shard_sq.to(device, torch.float32).reshape(-1)
+        return torch.cat([torch.stack(scalars), groups])
+
+
+@dataclass
+class RankColumns:
+    """Every rank's `RankRow` after the all-gather, by name: each field has one entry a rank
+    (`group_shard_sq` one row a rank)."""
+
+    loss: torch.Tensor
+    nonfinite: torch.Tensor
+    shard_sq: torch.Tensor
+    own_sq: torch.Tensor
+    step_time: torch.Tensor
+    data_wait: torch.Tensor
+    group_shard_sq: torch.Tensor
+
+    @classmethod
+    def unpack(cls, gathered: torch.Tensor) -> "RankColumns":
+        """Name the columns of the gathered (world, k) tensor of packed rows."""
+        named = {name: gathered[:, i] for i, name in enumerate(_SCALARS)}
+        return cls(**named, group_shard_sq=gathered[:, len(_SCALARS) :])
+
+    def per_rank(self) -> torch.Tensor:
+        """The figures each rank is shown by (loss, own gradient norm squared, step time, data
+        wait), rank after rank: what `add_rank_figures` reads after the host transfer."""
+        return torch.stack([getattr(self, name) for name in _PER_RANK], dim=1).reshape(-1)
+
+
+assert {f.name for f in fields(RankRow)} == {*_SCALARS, "group_shard_sq"}
 
 
 class StepExchange:
@@ -26,6 +87,62 @@ class StepExchange:
         gather(out, local, group=ctx.group)
         self.calls += 1
         return out.reshape(ctx.world_size, local.numel())
+
+    def share(
+        self,
+        m: "Measurement",
+        hook: "LocalGradNorm | None",
+        ready_at: float | None,
+        data_wait: float,
+        last_step_time: float | None,
+    ) -> None:
+        """The step's one collective: every rank's loss, non-finite count, shard norms, own
+        gradient norm before the reduction (from the DDP `hook`) and timings; the measurement's
+        figures become global, and the per-rank ones ride along in `m.extra` to the host.
+
+        The step's compute runs from when its batch was ready (`ready_at`, else the end of the
+        last step) to when the hook saw its first bucket (else now)."""
+        now = time.perf_counter()
+        device = m.head.device
+        own_sq = hook.sq if hook is not None and hook.sq is not None else None
+        start = ready_at if ready_at is not None else last_step_time
+        end = hook.first_ready if hook is not None and hook.first_ready is not None else now
+        compute = end - start if start is not None else math.nan
+        timing = torch.tensor([data_wait + compute, data_wait], device=device)
+        loss, nonfinite = m.rank_figures()
+        assert m.shard_sq is not None and m.group_shard_sq is not None
+        row = RankRow(
+            loss=loss,
+            nonfinite=nonfinite,
+            shard_sq=m.shard_sq,
+            own_sq=own_sq if own_sq is not None else torch.full((), math.nan, device=device),
+            step_time=timing[0],
+            data_wait=timing[1],
+            group_shard_sq=m.group_shard_sq,
+        )
+        columns = RankColumns.unpack(self.gather(row.pack()).to(device))
+        m.combine(
+            losses=columns.loss,
+            nonfinite=columns.nonfinite,
+            shard_sq=columns.shard_sq,
+            group_shard_sq=columns.group_shard_sq,
+        )
+        m.extra = columns.per_rank()
+        if hook is not None:
+            hook.reset()
+
+    def add_rank_figures(self, point: "MetricPoint", extra: list[float]) -> None:
+        """Per-rank columns of the exchange, once on the host (`StepSignals.extra`): each rank's
+        loss, own gradient norm (left out when no DDP hook measured any), step time, data wait."""
+        width = len(_PER_RANK)
+        rows = [extra[r * width : (r + 1) * width] for r in range(self.context.world_size)]
+        column = {name: [row[i] for row in rows] for i, name in enumerate(_PER_RANK)}
+        point.rank_losses = column["loss"]
+        own = column["own_sq"]
+        if not all(math.isnan(v) for v in own):  # all NaN: no DDP hook measured them
+            point.rank_grad_norms = [math.sqrt(v) if v >= 0 else v for v in own]
+        point.rank_step_times = column["step_time"]
+        point.rank_data_waits = column["data_wait"]
 
 
 class LocalGradNorm:

@@ -28,6 +28,7 @@ from trainguard.signals.layer_groups import LayerGroups
 
 FIRST_NONFINITE = 10
 _HEAD = 5  # loss, grad norm, non-finite count, loss scale, scaler found-inf
+_LOSS, _NONFINITE = 0, 2  # their places in the head
 
 
 @dataclass
@@ -91,30 +92,31 @@ class Measurement:
             pieces.append(self.extra.to(self.head.device, torch.float32).reshape(-1))
         return torch.cat(pieces)
 
-    def rank_vector(self) -> torch.Tensor:
-        """This rank's part of the per-step exchange: loss, non-finite count, and the squared
-        norms of its own gradient shards (total, then per layer group)."""
-        assert self.shard_sq is not None and self.group_shard_sq is not None
-        return torch.cat(
-            [self.head[0:1], self.head[2:3], self.shard_sq.reshape(1), self.group_shard_sq]
-        )
+    def rank_figures(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's loss and non-finite gradient count, for the per-step exchange."""
+        return self.head[_LOSS], self.head[_NONFINITE]
 
-    def combine(self, gathered: torch.Tensor) -> None:
-        """Make the figures global from every rank's `rank_vector` (rows of `gathered`): the
-        mean loss, the worst non-finite count, norms over all shards. Every rank computes
-        the same numbers from the same rows, so every rank decides alike."""
+    def combine(
+        self,
+        losses: torch.Tensor,
+        nonfinite: torch.Tensor,
+        shard_sq: torch.Tensor,
+        group_shard_sq: torch.Tensor,
+    ) -> None:
+        """Make the figures global from every rank's (one entry a rank; `group_shard_sq` one row
+        a rank): the mean loss, the worst non-finite count, norms over all shards. Every rank
+        computes the same numbers from the same rows, so every rank decides alike."""
         assert self.rep_sq is not None and self.group_rep_sq is not None
-        rows = gathered.to(self.head.device)
-        total = (self.rep_sq + rows[:, 2].sum()).sqrt()
+        total = (self.rep_sq + shard_sq.sum()).sqrt()
         self.head = torch.cat(
             [
-                rows[:, 0].mean().reshape(1),
+                losses.mean().reshape(1),
                 total.reshape(1),
-                rows[:, 1].max().reshape(1),
-                self.head[3:],
+                nonfinite.max().reshape(1),
+                self.head[_NONFINITE + 1 :],
             ]
         )
-        self.group_norms = (self.group_rep_sq + rows[:, 3:].sum(dim=0)).sqrt()
+        self.group_norms = (self.group_rep_sq + group_shard_sq.sum(dim=0)).sqrt()
         self.total_norm = total
 
 

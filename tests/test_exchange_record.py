@@ -1,0 +1,57 @@
+"""The per-step exchange's named record: a `RankRow` packed into one vector, the gathered rows
+read back as `RankColumns` field by field, and the per-rank figures that reach the host."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trainguard.detectors import MetricPoint
+from trainguard.distributed.context import RankContext
+from trainguard.distributed.exchange import RankColumns, RankRow, StepExchange
+
+
+def _row(rank: int, groups: int, own_sq: float) -> RankRow:
+    base = 10.0 * (rank + 1)
+    return RankRow(
+        loss=torch.tensor(base + 1),
+        nonfinite=torch.tensor(float(rank)),
+        shard_sq=torch.tensor(base + 2),
+        own_sq=torch.tensor(own_sq),
+        step_time=torch.tensor(base + 3),
+        data_wait=torch.tensor(base + 4),
+        group_shard_sq=torch.arange(groups, dtype=torch.float32) + base,
+    )
+
+
+def test_pack_unpack_round_trip() -> None:
+    rows = [_row(r, groups=4, own_sq=float(r * r)) for r in range(3)]
+    packed = [row.pack() for row in rows]
+    assert all(p.dtype == torch.float32 and p.shape == (6 + 4,) for p in packed)
+    columns = RankColumns.unpack(torch.stack(packed))  # what the all-gather returns
+    for name in ("loss", "nonfinite", "shard_sq", "own_sq", "step_time", "data_wait"):
+        assert torch.equal(getattr(columns, name), torch.stack([getattr(r, name) for r in rows]))
+    assert torch.equal(columns.group_shard_sq, torch.stack([r.group_shard_sq for r in rows]))
+
+
+def test_per_rank_figures_reach_the_point_by_name() -> None:
+    rows = [_row(r, groups=2, own_sq=float((r + 1) ** 2)) for r in range(3)]
+    columns = RankColumns.unpack(torch.stack([row.pack() for row in rows]))
+    exchange = StepExchange(RankContext(3, 3, ["a", "b", "c"], torch.device("cpu")))
+    point = MetricPoint(step=0, loss=0.0)
+    exchange.add_rank_figures(point, columns.per_rank().tolist())
+    assert point.rank_losses == [11.0, 21.0, 31.0]
+    assert point.rank_grad_norms == [1.0, 2.0, 3.0]
+    assert point.rank_step_times == [13.0, 23.0, 33.0]
+    assert point.rank_data_waits == [14.0, 24.0, 34.0]
+
+
+def test_no_ddp_hook_leaves_rank_grad_norms_out() -> None:
+    rows = [_row(r, groups=1, own_sq=math.nan) for r in range(2)]
+    columns = RankColumns.unpack(torch.stack([row.pack() for row in rows]))
+    exchange = StepExchange(RankContext(0, 2, ["a", "a"], torch.device("cpu")))
+    point = MetricPoint(step=0, loss=0.0)
+    exchange.add_rank_figures(point, columns.per_rank().tolist())
+    assert point.rank_grad_norms is None
+    assert point.rank_losses == [11.0, 21.0]
