@@ -66,7 +66,6 @@ class _Layout:
 class Measurement:
     """Device tensors of one step, before the single transfer to the host."""
 
-    grads: list[torch.Tensor]
     total_norm: torch.Tensor
     head: torch.Tensor  # loss, grad norm, non-finite count, loss scale, found-inf
     first: torch.Tensor
@@ -255,7 +254,6 @@ class GradientStats:
         group_rep = self._group_sq(rep_sq, layout)
         group_shard = self._group_sq(shard_sq, layout)
         return Measurement(
-            grads=grads,
             total_norm=total,
             head=torch.stack([h.to(self.device, torch.float32).reshape(()) for h in head]),
             first=first.to(torch.float32),
