@@ -11,6 +11,7 @@ import trainguard as tg
 from trainguard.actions.user_actions import unregister_action
 from trainguard.events import EVENT_KINDS, EventKind, events_schema_kind, known_kinds
 from trainguard.policy import StepPolicy
+from trainguard.sinks import Sink
 
 from helpers import read_jsonl
 
@@ -134,3 +135,23 @@ def test_observe_only_is_a_monitor_and_training_calls_say_what_they_need(tmp_pat
     with pytest.raises(tg.TrainguardError, match=r"guard\.step needs an optimizer"):
         guard.step(torch.tensor(1.0))
     guard.close()
+
+
+class _BrokenSink(Sink):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_metrics(self, record):
+        self.calls += 1
+        raise OSError("the dashboard is down")
+
+
+def test_a_failing_sink_is_said_once_and_dropped_and_the_run_goes_on(tmp_path, capsys):
+    broken = _BrokenSink()
+    monitor = tg.Monitor(tg.GuardConfig(console=False), run_dir=tmp_path, sinks=[broken])
+    for step in range(50):
+        monitor.observe(step, loss=1.0)
+    monitor.close()
+    assert broken.calls == 1 and broken not in monitor.sinks
+    assert capsys.readouterr().err.count("_BrokenSink failed (OSError: the dashboard is down)") == 1
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 50

@@ -61,8 +61,18 @@ class Recorder:
     def emit(self, event: Event) -> None:
         """Count an event and hand it to every sink."""
         self.event_counts[event.kind] = self.event_counts.get(event.kind, 0) + 1
-        for sink in self.sinks:
-            sink.on_event(event)
+        for sink in list(self.sinks):
+            try:
+                sink.on_event(event)
+            except Exception as exc:  # a sink never stops the run: said once, then dropped
+                self._drop(sink, exc)
+
+    def _drop(self, sink: Sink, exc: Exception) -> None:
+        self.sinks.remove(sink)
+        report(
+            f"the sink {type(sink).__name__} failed ({type(exc).__name__}: {exc}); it gets "
+            "nothing more in this run, which goes on"
+        )
 
     def record(
         self,
@@ -116,8 +126,11 @@ class Recorder:
             record["events"] = [e.kind for e in events]
         record = _json_number(record)
         if point.step % self.config.log_every == 0 or events:
-            for sink in self.sinks:
-                sink.on_metrics(record)
+            for sink in list(self.sinks):
+                try:
+                    sink.on_metrics(record)
+                except Exception as exc:
+                    self._drop(sink, exc)
         return record
 
     def close(self, then: Callable[[], None] | None = None) -> None:
