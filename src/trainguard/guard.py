@@ -35,7 +35,6 @@ from trainguard.policy import StepPolicy
 from trainguard.recorder import report
 from trainguard.recovery import Recovery
 from trainguard.signals import GradientStats, StepSignals
-from trainguard.signals.gradients import Measurement
 from trainguard.sinks import Sink
 
 UNREWOUND_CONFIRM_STEPS = 2  # far-up steps that confirm an explosion where data goes on
@@ -182,8 +181,15 @@ class Guard(Monitor):
         # measure (on the device), exchange (one collective), clip, then one host transfer
         parts.actions.unscale()
         measurement = parts.stats.measure(loss, parts.optimizer, self.scaler)
-        if self.exchange is not None:
-            self._exchange(measurement)
+        batches = self.recovery.batches
+        if self.exchange is not None:  # every rank's named row, in the step's one collective
+            self.exchange.share(
+                measurement,
+                hook=self._local_norm,
+                ready_at=batches.ready_at if batches is not None else None,
+                data_wait=batches.data_wait if batches is not None else 0.0,
+                last_step_time=self.recorder.last_step_time,
+            )
         parts.actions.clip(parts.stats.params, measurement.total_norm)
         signals = parts.stats.resolve(measurement)
         point = _point_from_signals(step, signals)
@@ -323,19 +329,6 @@ class Guard(Monitor):
     @property
     def checkpoints(self) -> CheckpointStore | None:
         return self.checkpointing.store if self.checkpointing is not None else None
-
-    # -- distributed ----------------------------------------------------------------------------
-    def _exchange(self, m: Measurement) -> None:
-        """The step's one collective (`StepExchange.share`): the figures become global."""
-        assert self.exchange is not None
-        batches = self.recovery.batches
-        self.exchange.share(
-            m,
-            hook=self._local_norm,
-            ready_at=batches.ready_at if batches is not None else None,
-            data_wait=batches.data_wait if batches is not None else 0.0,
-            last_step_time=self.recorder.last_step_time,
-        )
 
     # -- durable checkpoints ----------------------------------------------------------------------
     def _maybe_checkpoint(self) -> None:
