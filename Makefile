@@ -16,11 +16,11 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
-# The demo needs only trainguard's runtime dependencies (torch, plotly for its report, ...), not
-# the dev tools; pip's own lines (not --quiet) show the install's progress.
+# The demo needs only trainguard's runtime dependencies and plotly for its HTML report (the
+# `report` extra), not the dev tools; pip's own lines (not --quiet) show the install's progress.
 $(RUNTIME_STAMP): $(BIN)/python pyproject.toml constraints.txt
-	@echo "installing trainguard and its runtime dependencies into $(VENV)"
-	$(BIN)/python -m pip install -c constraints.txt -e .
+	@echo "installing trainguard, its runtime dependencies and plotly into $(VENV)"
+	$(BIN)/python -m pip install -c constraints.txt -e ".[report]"
 	touch $(RUNTIME_STAMP)
 
 # The report tests drive Debian's chromium headless; install it where it is missing.

@@ -234,8 +234,9 @@ def report(
     """Write one self-contained HTML report (plots, incident cards, lint, config) of a run or
     log; it opens offline in any browser."""
     from trainguard.analysis.run import load_run
-    from trainguard.sinks.html_report import write_report
+    from trainguard.sinks.html_report import require_plotly, write_report
 
+    require_plotly()  # before the log is read
     cfg = GuardConfig.load(config) if config is not None else None
     record = load_run(source, cfg, log_format, run, column, step_column, tag)
     if title is None and run is not None:

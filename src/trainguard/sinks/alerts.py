@@ -9,18 +9,20 @@ import math
 import queue
 import smtplib
 import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from email.message import EmailMessage
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from trainguard.config import AlertsConfig, EmailConfig, WebhookConfig
-from trainguard.events import SEVERITY_RANK, Event, TrainguardError
+from trainguard.events import SEVERITY_RANK, ConfigError, Event, TrainguardError
 from trainguard.sinks.base import Sink
+
+if TYPE_CHECKING:
+    import httpx
 
 Report = Callable[[str], None]
 
@@ -52,14 +54,22 @@ class Channel:
 
 
 class WebhookChannel(Channel):
-    """POSTs a Slack-compatible `{"text": ...}` or a plain JSON alert to a URL kept secret."""
+    """POSTs a Slack-compatible `{"text": ...}` or a plain JSON alert to a URL kept secret;
+    needs httpx (the `alerts` extra), a ConfigError at construction without it."""
 
     name = "webhook"
 
     def __init__(self, config: WebhookConfig, url: str) -> None:
+        try:
+            import httpx
+        except ImportError:
+            raise ConfigError(
+                f"webhook alerts (alerts.webhook.url or ${config.url_env}) need httpx: "
+                "pip install 'trainguard[alerts]'"
+            ) from None
         self.config = config
         self._url = url
-        self._client = httpx.Client(timeout=config.timeout_s)
+        self._client: httpx.Client = httpx.Client(timeout=config.timeout_s)
 
     def send(self, alert: Alert) -> None:
         if self.config.format == "slack":
@@ -132,9 +142,10 @@ def describe_failure(exc: BaseException) -> str:
     """A failure in words that never include a URL, a host's credentials or a password."""
     if isinstance(exc, DeliveryError):
         return str(exc)
-    if isinstance(exc, httpx.TimeoutException):
+    web = sys.modules.get("httpx")  # only a webhook, which imported it, raises its errors
+    if web is not None and isinstance(exc, web.TimeoutException):
         return "timed out"
-    if isinstance(exc, httpx.HTTPError):
+    if web is not None and isinstance(exc, web.HTTPError):
         return f"HTTP error ({type(exc).__name__})"
     if isinstance(exc, smtplib.SMTPAuthenticationError):
         return f"SMTP login refused ({exc.smtp_code})"

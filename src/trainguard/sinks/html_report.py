@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from trainguard.analysis.run import RunRecord
-from trainguard.events import SEVERITY_RANK
+from trainguard.events import SEVERITY_RANK, TrainguardError
 
 MAX_POINTS = 6000  # per trace: min/max per bucket keeps every spike visible
 MAX_HEAT_COLUMNS = 600
@@ -124,8 +124,20 @@ def final_types(events: list[dict[str, Any]]) -> dict[int, str]:
     return types
 
 
+def require_plotly() -> None:
+    """Raise a TrainguardError that names the `report` extra when plotly is not installed."""
+    try:
+        import plotly  # noqa: F401
+    except ImportError:
+        raise TrainguardError(
+            "the HTML report needs plotly: pip install 'trainguard[report]'"
+        ) from None
+
+
 def write_report(record: RunRecord, out: str | Path, title: str | None = None) -> Path:
-    """Write the report of `record` to `out` and return its path."""
+    """Write the report of `record` to `out` and return its path (a TrainguardError that names
+    the `report` extra when plotly is not installed)."""
+    require_plotly()
     from plotly.offline import get_plotlyjs
 
     path = Path(out)

@@ -6,9 +6,7 @@ import contextlib
 import math
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
-
-from trainguard.events import SEVERITY_RANK, Event
+from trainguard.events import SEVERITY_RANK, ConfigError, Event
 from trainguard.sinks.base import Sink
 
 DEFAULT_ADDR = "127.0.0.1"  # this host only; "0.0.0.0" serves a scraper on another host
@@ -17,9 +15,17 @@ DEFAULT_ADDR = "127.0.0.1"  # this host only; "0.0.0.0" serves a scraper on anot
 class PrometheusSink(Sink):
     """Serves `/metrics` on `addr`:`port` (0 picks a free one; see `.port`): gauges for loss,
     grad norm, LR, loss scale, step and steps per second; counters of incidents by kind, skips
-    and rollbacks. Raises the OSError of an address that cannot be bound (a busy port)."""
+    and rollbacks. Raises the OSError of an address that cannot be bound (a busy port), and a
+    ConfigError without prometheus-client (the `prometheus` extra)."""
 
     def __init__(self, port: int, addr: str = DEFAULT_ADDR) -> None:
+        try:
+            from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+        except ImportError:
+            raise ConfigError(
+                "Prometheus metrics (alerts.prometheus_port) need prometheus-client: "
+                "pip install 'trainguard[prometheus]'"
+            ) from None
         self.registry = CollectorRegistry()
         r = self.registry
         self.gauges = {
