@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -401,6 +402,8 @@ class Recorder:
 
 def test_deduplication_by_kind_and_interval_and_a_note_when_a_rollback_resolves_it():
     from trainguard.config import AlertsConfig
+    from trainguard.detectors import MetricPoint
+    from trainguard.detectors.loss_ema import LossEmaDetector
     from trainguard.sinks.alerts import AlertSink
 
     now = [0.0]
@@ -418,12 +421,11 @@ def test_deduplication_by_kind_and_interval_and_a_note_when_a_rollback_resolves_
     now[0] = 75.0
     sink.on_event(event(14))  # the interval is over: sent, with the count held back
     sink.on_event(tg.Event(step=15, kind="rollback", severity="warning", message="back to 0"))
-    for step in range(20, 23):  # the seed's check: loss over 3 x its EMA
-        sink.on_metrics({"step": step, "loss": 1.0})
-    sink.on_metrics({"step": 5, "loss": 1.0})
-    for step in range(30, 60):
-        sink.on_metrics({"step": step, "loss": 1.0})
-    sink.on_metrics({"step": 60, "loss": 5.0})
+    ema = LossEmaDetector(AlertsConfig())  # the seed's check: loss over 3 x its EMA
+    for step in [20, 21, 22, 5, *range(30, 60)]:
+        assert ema.update(MetricPoint(step, 1.0)) == []
+    for e in ema.update(MetricPoint(60, 5.0)):
+        sink.on_event(e)  # an info event, routed by the default rule that names it
     sink.close()
     got = [(a.kind, a.step, a.held_back) for a in channel.sent]
     assert got[:5] == [
@@ -434,3 +436,75 @@ def test_deduplication_by_kind_and_interval_and_a_note_when_a_rollback_resolves_
         ("loss_above_ema", 60, 0),
     ]
     assert "resolved after rollback at step 15" in channel.sent[3].title
+
+
+def spiked_run(config: dict, run_dir: Path | None, spike_at: int = 45) -> list[tg.Decision]:
+    """A tiny guarded regression whose loss is 500 times its value at `spike_at`."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = tg.Guard(
+        model, opt, config=tg.GuardConfig.from_dict({"console": False, **config}), run_dir=run_dir
+    )
+    g = torch.Generator().manual_seed(1)
+    decisions = []
+    for step in range(60):
+        x = torch.randn(16, 8, generator=g)
+        loss = nn.functional.mse_loss(model(x), x[:, :1]) * (500.0 if step == spike_at else 1.0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        decisions.append(guard.step(loss))
+    guard.close()
+    return decisions
+
+
+def test_a_loss_over_its_ema_is_an_info_event_alerted_that_changes_no_decision(tmp_path):
+    hook = Hook()
+    try:
+        alerted = spiked_run(
+            {"alerts": {"webhook": {"url": hook.url, "format": "json"}, "interval_s": 0}},
+            tmp_path,
+        )
+    finally:
+        hook.close()
+    ema = [b for b in hook.bodies if b["kind"] == "loss_above_ema"]
+    assert [(b["severity"], b["step"]) for b in ema] == [("info", 45)]
+    assert "is over 3 x its EMA" in ema[0]["text"]
+    logged = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["severity"], e["step"]) for e in logged if e["kind"] == "loss_above_ema"] == [
+        ("info", 45)
+    ]
+    # without a rule that routes it the detector is off: the guard decides exactly the same
+    quiet = spiked_run({"alerts": {"rules": [{"kinds": ["nonfinite"]}]}}, tmp_path / "quiet")
+    assert not any(e.kind == "loss_above_ema" for d in quiet for e in d.events)
+
+    def seen(decisions: list[tg.Decision]) -> list[tuple]:
+        return [
+            (d.action, d.lr_factor, [e.kind for e in d.events if e.kind != "loss_above_ema"])
+            for d in decisions
+        ]
+
+    assert seen(alerted) == seen(quiet)
+
+
+def test_the_loss_ema_check_in_bulk_matches_it_step_by_step():
+    from trainguard.config import AlertsConfig
+    from trainguard.detectors.loss_ema import LossEmaDetector
+    from trainguard.detectors.series import MetricSeries
+
+    rng = np.random.default_rng(0)
+    loss = 2 + rng.random(5000)
+    loss[[3, 700, 701, 2500, 4000]] *= 10  # the first too early to count
+    loss[[10, 702, 3000]] = np.nan
+    series = MetricSeries(np.arange(5000, dtype=np.int64), loss)
+    one, bulk = LossEmaDetector(AlertsConfig()), LossEmaDetector(AlertsConfig())
+    expected = [e for i in range(len(series)) for e in one.update(series.point(i))]
+    got, i = [], 0
+    while i < len(series):
+        i = bulk.advance(series, i)
+        if i < len(series):
+            got += bulk.update(series.point(i))
+            i += 1
+    assert [e.step for e in expected] == [700, 701, 2500, 4000]
+    assert [(e.step, e.message) for e in got] == [(e.step, e.message) for e in expected]
+    assert bulk.state_dict() == one.state_dict()

@@ -316,7 +316,7 @@ class AlertRule(_Section):
     @field_validator("kinds")
     @classmethod
     def _known(cls, kinds: list[str]) -> list[str]:
-        unknown = sorted(set(kinds) - set(known_kinds()) - {"loss_above_ema"})
+        unknown = sorted(set(kinds) - set(known_kinds()))
         if unknown:
             raise ValueError(f"unknown event kinds {unknown}; known: {', '.join(known_kinds())}")
         return kinds
@@ -324,9 +324,11 @@ class AlertRule(_Section):
 
 def _default_rules() -> list[AlertRule]:
     """The original checks: NaN, gradient explosion, fp16 overflow storms (a collapsed scale is a
-    `nonfinite`), loss over 3 x its EMA; and anything critical, such as a halt."""
+    `nonfinite`), loss over 3 x its EMA (an `info` event: the guard takes no action on it); and
+    anything critical, such as a halt."""
     return [
-        AlertRule(kinds=["nonfinite", "grad_explosion", "loss_above_ema"], min_severity="warning"),
+        AlertRule(kinds=["nonfinite", "grad_explosion"], min_severity="warning"),
+        AlertRule(kinds=["loss_above_ema"], min_severity="info"),
         AlertRule(kinds=[], min_severity="critical"),
     ]
 
@@ -379,7 +381,8 @@ class AlertsConfig(_Section):
     loss_ema_ratio: float = Field(
         3.0,
         gt=1,
-        description="The `loss_above_ema` alert (the original check): loss over this x its EMA.",
+        description="A loss over this many times its EMA is a `loss_above_ema` event (info: the "
+        "guard takes no action), raised while an alert rule routes that kind.",
     )
     loss_ema_alpha: float = Field(
         0.01, gt=0, lt=1, description="Smoothing factor of that EMA (weight of the newest loss)."

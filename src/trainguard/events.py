@@ -36,6 +36,7 @@ class EventKind(str, Enum):
     RANK_OUTLIER = "rank_outlier"
     STRAGGLER = "straggler"
     ROUTING_COLLAPSE = "routing_collapse"
+    LOSS_ABOVE_EMA = "loss_above_ema"
     LINT = "lint"
     ROLLBACK = "rollback"
     LR_REDUCED = "lr_reduced"

@@ -12,6 +12,7 @@ from trainguard.detectors.gradients import (
     VanishingGradientDetector,
 )
 from trainguard.detectors.health import HealthThresholdDetector
+from trainguard.detectors.loss_ema import LossEmaDetector, loss_ema_routed
 from trainguard.detectors.loss_spike import LossSpikeDetector
 from trainguard.detectors.nonfinite import NonFiniteDetector
 from trainguard.detectors.ranks import RankOutlierDetector, StragglerDetector
@@ -41,6 +42,7 @@ class DetectorSuite:
             (cfg.ranks.enabled, RankOutlierDetector(cfg.ranks)),
             (cfg.straggler.enabled, StragglerDetector(cfg.straggler)),
             (cfg.routing.enabled, RoutingCollapseDetector(cfg.routing)),
+            (loss_ema_routed(cfg.alerts), LossEmaDetector(cfg.alerts)),
         ]
         detectors.extend(d for enabled, d in optional if enabled)
         self.detectors = detectors

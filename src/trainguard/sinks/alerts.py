@@ -5,7 +5,6 @@ retries, so a slow or broken service never slows training."""
 from __future__ import annotations
 
 import contextlib
-import math
 import queue
 import smtplib
 import ssl
@@ -223,9 +222,9 @@ class Delivery:
 
 
 class AlertSink(Sink):
-    """Routes events (and the seed's loss-over-EMA check on the metrics) by the rules to each
-    channel, at most one per kind per `interval_s` per channel, with a count of those held
-    back; says so when a rollback resolves an alerted incident."""
+    """Routes events by the rules to each channel, at most one per kind per `interval_s` per
+    channel, with a count of those held back; says so when a rollback resolves an alerted
+    incident. It detects nothing: the seed's loss-over-EMA check is `LossEmaDetector`."""
 
     def __init__(
         self,
@@ -240,8 +239,6 @@ class AlertSink(Sink):
         self._last: dict[tuple[str, str], float] = {}
         self._held: dict[tuple[str, str], int] = {}
         self._open: dict[str, int] = {}  # channel -> step of the last alerted incident
-        self._ema: float | None = None
-        self._seen = 0
 
     def on_event(self, event: Event) -> None:
         if event.kind == "rollback":
@@ -293,26 +290,6 @@ class AlertSink(Sink):
                     text=f"the incident alerted at step {step}: {event.message}",
                 )
             )
-
-    def on_metrics(self, record: dict[str, Any]) -> None:
-        loss = record.get("loss")
-        if not isinstance(loss, (int, float)) or not math.isfinite(loss):
-            return
-        cfg = self.config
-        self._seen += 1
-        if self._ema is not None and self._seen > 20 and loss > cfg.loss_ema_ratio * self._ema:
-            self.on_event(
-                Event(
-                    step=int(record.get("step", 0)),
-                    kind="loss_above_ema",
-                    severity="warning",
-                    message=f"loss {loss:.4g} is over {cfg.loss_ema_ratio:g} x its EMA "
-                    f"{self._ema:.4g}",
-                    metrics={"loss": loss, "ema": self._ema},
-                )
-            )
-        a = cfg.loss_ema_alpha
-        self._ema = loss if self._ema is None else (1 - a) * self._ema + a * loss
 
     def close(self) -> None:
         """Send one summary of what is still held back, then stop the workers."""
