@@ -164,7 +164,8 @@ def test_observe_detects_from_plain_numbers_and_never_raises(tmp_path):
     assert all(d.action == "step" and not d.events for d in decisions)
     spike = guard.observe(50, loss=9.0, grad_norm=1.0, lr=1e-3)
     assert spike.action == "halt" and spike.events[0].kind == "loss_spike"
-    assert [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl")] == ["loss_spike", "halt"]
+    logged = [(e["kind"], e["severity"]) for e in read_jsonl(tmp_path / "events.jsonl")]
+    assert logged == [("loss_spike", "critical"), ("loss_above_ema", "info"), ("halt", "critical")]
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 51
     with pytest.raises(tg.TrainguardError, match="needs an optimizer"):
         guard.step(torch.tensor(1.0))
