@@ -1,4 +1,4 @@
-"""`HealthThresholdDetector`: the seed's absolute health levels, an opt-in preset."""
+"""`HealthThresholdDetector`: the original absolute health levels, an opt-in preset."""
 
 from __future__ import annotations
 

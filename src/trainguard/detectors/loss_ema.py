@@ -1,5 +1,5 @@
 """`LossEmaDetector`: the loss over `alerts.loss_ema_ratio` times its exponential moving average,
-the seed's alert check, raised as an `info` event that the policy takes no action on."""
+the original alert check, raised as an `info` event that the policy takes no action on."""
 
 from __future__ import annotations
 

@@ -296,7 +296,7 @@ class StepPolicy:
         return decision
 
     def _next_lr_factor(self) -> float:
-        """The seed's schedule: max(0.1, 0.5 ** (1 + 0.1 * cuts so far)), compounding."""
+        """The original schedule: max(0.1, 0.5 ** (1 + 0.1 * cuts so far)), compounding."""
         factor = float(max(0.1, 0.5 ** (1 + 0.1 * self.lr_cuts)))
         self.lr_cuts += 1
         return factor

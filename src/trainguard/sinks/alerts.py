@@ -224,7 +224,7 @@ class Delivery:
 class AlertSink(Sink):
     """Routes events by the rules to each channel, at most one per kind per `interval_s` per
     channel, with a count of those held back; says so when a rollback resolves an alerted
-    incident. It detects nothing: the seed's loss-over-EMA check is `LossEmaDetector`."""
+    incident. It detects nothing: the original loss-over-EMA check is `LossEmaDetector`."""
 
     def __init__(
         self,
