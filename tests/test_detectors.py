@@ -770,3 +770,41 @@ def test_a_state_saved_before_a_key_existed_loads_with_that_key_fresh():
     series = MetricSeries(steps=np.arange(1000, 2000), loss=later)
     assert bulk.advance(series, 0) == 1000  # the bulk path takes it all, as `update` did
     assert list(bulk.spreads) == list(fresh.spreads) and list(bulk.medians) == list(fresh.medians)
+
+
+# -- the open registry -----------------------------------------------------------------------
+
+
+class LossOverFive(Detector):
+    """A user's detector with no bulk path: a loss over 5, once per stretch."""
+
+    name = "loss_over_five"
+    _state = ("over",)
+
+    def __init__(self) -> None:
+        self.over = False
+
+    def update(self, point: MetricPoint) -> list[tg.Event]:
+        was, self.over = self.over, point.loss > 5.0
+        if not self.over or was:
+            return []
+        return [self.event(point, "warning", f"loss {point.loss} over 5", {"loss": point.loss})]
+
+
+def test_a_registered_detector_runs_live_and_in_bulk(monkeypatch):
+    from trainguard.detectors import register_detector, suite
+
+    builtin = [type(d) for d in DetectorSuite(tg.GuardConfig()).detectors]
+    monkeypatch.setattr(suite, "_FACTORIES", list(suite._FACTORIES))
+    assert register_detector(LossOverFive) is LossOverFive
+    detectors = DetectorSuite(tg.GuardConfig()).detectors
+    assert [type(d) for d in detectors] == [*builtin, LossOverFive]  # the built-ins keep order
+    losses = np.full(3000, 2.0)
+    losses[[1000, 1001, 2000]] = 9.0
+    live = [e for e in feed(DetectorSuite(tg.GuardConfig()), losses) if e.kind == "loss_over_five"]
+    series = MetricSeries(np.arange(3000), losses)
+    bulk = [e for e in DetectorSuite(tg.GuardConfig()).run(series) if e.kind == "loss_over_five"]
+    assert [e.step for e in live] == [e.step for e in bulk] == [1000, 2000]
+    off = register_detector(lambda cfg: None if cfg.loss_spike.enabled else LossOverFive())
+    assert len(DetectorSuite(tg.GuardConfig()).detectors) == len(detectors)
+    assert off is not None

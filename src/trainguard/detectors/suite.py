@@ -1,8 +1,10 @@
-"""`DetectorSuite`: the detectors a config enables, run in a fixed order on each point."""
+"""`DetectorSuite`: the detectors a config enables, run in a fixed order on each point; the set
+is an open registry (`register_detector`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from trainguard.config import GuardConfig
 from trainguard.detectors.base import Detector, MetricPoint
@@ -22,30 +24,55 @@ from trainguard.detectors.trends import DivergenceDetector, OscillationDetector,
 from trainguard.detectors.weights import WeightJumpDetector
 from trainguard.events import Event
 
+DetectorFactory = Callable[[GuardConfig], Detector | None]
+"""Builds a detector from a run's config, or None where the config leaves it off."""
+
+_FACTORIES: list[DetectorFactory] = []
+
+Registered = TypeVar("Registered", bound="type[Detector] | DetectorFactory")
+
+
+def register_detector(factory: Registered) -> Registered:
+    """Add a detector to every `DetectorSuite` built from now on, after those registered before:
+    a `Detector` subclass (built with no arguments; usable as a class decorator) or a factory
+    taking the `GuardConfig`. Returns it unchanged."""
+    if isinstance(factory, type):
+        detector_class: type[Detector] = factory
+        _FACTORIES.append(lambda _config: detector_class())
+    else:
+        _FACTORIES.append(factory)
+    return factory
+
+
+def _enabled(build: Callable[[GuardConfig], Detector], on: Callable[[GuardConfig], bool]) -> None:
+    """Register a built-in detector that its config section switches on and off."""
+    register_detector(lambda cfg: build(cfg) if on(cfg) else None)
+
+
+register_detector(lambda cfg: NonFiniteDetector(cfg.overflow))
+_enabled(lambda c: LossSpikeDetector(c.loss_spike), lambda c: c.loss_spike.enabled)
+_enabled(lambda c: GradSpikeDetector(c.grad_spike), lambda c: c.grad_spike.enabled)
+_enabled(lambda c: GradExplosionDetector(c.grad_explosion), lambda c: c.grad_explosion.enabled)
+_enabled(lambda c: VanishingGradientDetector(c.vanishing), lambda c: c.vanishing.enabled)
+_enabled(lambda c: WeightJumpDetector(c.weight_jump), lambda c: c.weight_jump.enabled)
+_enabled(lambda c: StallDetector(c.stall), lambda c: c.stall.enabled)
+_enabled(lambda c: DivergenceDetector(c.divergence), lambda c: c.divergence.enabled)
+_enabled(lambda c: OscillationDetector(c.oscillation), lambda c: c.oscillation.enabled)
+_enabled(lambda c: HealthThresholdDetector(c.health), lambda c: c.health.enabled)
+_enabled(lambda c: RankOutlierDetector(c.ranks), lambda c: c.ranks.enabled)
+_enabled(lambda c: StragglerDetector(c.straggler), lambda c: c.straggler.enabled)
+_enabled(lambda c: RoutingCollapseDetector(c.routing), lambda c: c.routing.enabled)
+_enabled(lambda c: LossEmaDetector(c.alerts), lambda c: loss_ema_routed(c.alerts))
+
 
 class DetectorSuite:
-    """Runs every enabled detector on a `MetricPoint`; the same code online and offline."""
+    """Runs every registered detector the config enables on a `MetricPoint`, in the order they
+    were registered; the same code online and offline."""
 
     def __init__(self, config: GuardConfig | None = None) -> None:
         cfg = config or GuardConfig()
-        detectors: list[Detector] = [NonFiniteDetector(cfg.overflow)]
-        optional: list[tuple[bool, Detector]] = [
-            (cfg.loss_spike.enabled, LossSpikeDetector(cfg.loss_spike)),
-            (cfg.grad_spike.enabled, GradSpikeDetector(cfg.grad_spike)),
-            (cfg.grad_explosion.enabled, GradExplosionDetector(cfg.grad_explosion)),
-            (cfg.vanishing.enabled, VanishingGradientDetector(cfg.vanishing)),
-            (cfg.weight_jump.enabled, WeightJumpDetector(cfg.weight_jump)),
-            (cfg.stall.enabled, StallDetector(cfg.stall)),
-            (cfg.divergence.enabled, DivergenceDetector(cfg.divergence)),
-            (cfg.oscillation.enabled, OscillationDetector(cfg.oscillation)),
-            (cfg.health.enabled, HealthThresholdDetector(cfg.health)),
-            (cfg.ranks.enabled, RankOutlierDetector(cfg.ranks)),
-            (cfg.straggler.enabled, StragglerDetector(cfg.straggler)),
-            (cfg.routing.enabled, RoutingCollapseDetector(cfg.routing)),
-            (loss_ema_routed(cfg.alerts), LossEmaDetector(cfg.alerts)),
-        ]
-        detectors.extend(d for enabled, d in optional if enabled)
-        self.detectors = detectors
+        built = (factory(cfg) for factory in _FACTORIES)
+        self.detectors: list[Detector] = [d for d in built if d is not None]
 
     def update(self, point: MetricPoint) -> list[Event]:
         events: list[Event] = []
