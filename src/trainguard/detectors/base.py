@@ -7,6 +7,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+
 from trainguard.events import Event, Severity, SpikeType
 
 if TYPE_CHECKING:
@@ -62,7 +64,9 @@ class Detector:
     def advance(self, series: MetricSeries, start: int) -> int:
         """Take the steps of `series` from `start` in bulk while they raise nothing, leaving the
         state exactly as `update` would; returns where `update` must take over. The default
-        takes none."""
+        takes none. A detector computes the figures its rules judge once, on a chunk of steps:
+        `update` on a chunk of one, `advance` on a long one up to the first step where a
+        decision is due, which `update` then takes."""
         return start
 
     def state_dict(self) -> dict[str, Any]:
@@ -80,6 +84,8 @@ class Detector:
                 current.load_state_dict(value)
             elif isinstance(current, deque):
                 setattr(self, key, deque(value, maxlen=current.maxlen))
+            elif isinstance(current, np.ndarray):  # kept as a list in the state
+                setattr(self, key, np.asarray(value, dtype=current.dtype))
             elif isinstance(current, dict) and isinstance(value, dict):
                 setattr(self, key, _import_dict(value))
             else:
@@ -171,6 +177,8 @@ def _export(value: Any) -> Any:
         return value.state_dict()
     if isinstance(value, deque):
         return list(value)
+    if isinstance(value, np.ndarray):
+        return value.tolist()
     if isinstance(value, dict):
         return {k: _export(v) for k, v in value.items()}
     if isinstance(value, list):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -106,7 +105,7 @@ class GradSpikeDetector(Detector):
         self.window: deque[float] = deque(maxlen=self.config.window)
         self.run = SpikeRun(max(self.config.window // 4, 2))
         self.groups = GroupHistory()
-        self.excess_hist: list[float] = [0.0] * EXCESS_BINS
+        self.excess_hist = np.zeros(EXCESS_BINS)
         self.excess_total = 0.0
         self.reach = 0.0  # the excess the run's own outliers reach; 0 until it is read
 
@@ -116,21 +115,14 @@ class GradSpikeDetector(Detector):
             return []
         self.groups.update(point)
         cfg = self.config
-        armed = len(self.window) >= cfg.warmup
-        level = median(list(self.window)) if armed else None
-        ratio = g / level if level is not None and level > 0 else None
-        limit = None
-        if ratio is not None and ratio > cfg.ratio_threshold:
-            logs = np.log(np.maximum(np.asarray(self.window, dtype=np.float64), LOG_FLOOR))
-            limit = float(self._limits(logs[None, :])[0])
-        over_ratio = limit is not None and ratio is not None and ratio > limit
-        over_abs = cfg.abs_limit is not None and g > cfg.abs_limit
-        if not (over_ratio or over_abs):
-            self.run.end()
-            self.window.append(g)
-            if ratio is not None:
-                self._count(ratio - 1.0)
+        values = np.array([g])
+        held, level_of, ratio_of = self._levels(values)
+        limit_of, over_ratio_of, over_abs_of = self._passes(held, ratio_of, values, 0, 1)
+        if not (over_ratio_of[0] or over_abs_of[0]):
+            self._accept(values, ratio_of)
             return []
+        over_abs = bool(over_abs_of[0])
+        level, ratio, limit = (_known(x[0]) for x in (level_of, ratio_of, limit_of))
         if self.run.active:
             new_level = self.run.extend(g)
             if new_level is not None:
@@ -140,7 +132,7 @@ class GradSpikeDetector(Detector):
                     self.run.end()
             return []
         self.run.start(g)
-        if over_ratio:
+        if over_ratio_of[0]:
             message = (
                 f"gradient norm {fmt(g)} is {fmt(ratio)}x its recent median {fmt(level)}, "
                 f"over the {fmt(limit)}x its own outliers reach"
@@ -163,6 +155,70 @@ class GradSpikeDetector(Detector):
             )
         return [self.event(point, "warning", message, metrics)]
 
+    def advance(self, series: MetricSeries, start: int) -> int:
+        chunk = _grad_chunk(series, start)
+        if isinstance(chunk, int):
+            return chunk
+        idx, g = chunk
+        cfg = self.config
+        total = self.excess_total
+        if len(self.window) < cfg.window or cfg.window < cfg.warmup or total != int(total):
+            return start  # the window fills (or an odd count) step by step
+        held, _, ratio = self._levels(g)
+        # only a step over the configured ratio or the absolute limit may pass its limits
+        limit = math.inf if cfg.abs_limit is None else cfg.abs_limit
+        lo = 0
+        for k in np.flatnonzero((ratio > cfg.ratio_threshold) | (g > limit)).tolist():
+            self._accept(g[lo:k], ratio[lo:k])  # the reach in force at k, as step by step
+            _, over_ratio, over_abs = self._passes(held, ratio, g, k, k + 1)
+            if over_ratio[0] or over_abs[0]:
+                return int(idx[k])
+            lo = k
+        self._accept(g[lo:], ratio[lo:])
+        return series.chunk_end(start)
+
+    def _levels(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The window's values followed by the new grad norms `g`, the level each new one is
+        judged against (the median of the window before it; NaN until armed), and its ratio to
+        it (NaN where the level is not positive). More than one new value needs a full window."""
+        width = len(self.window)
+        held = np.concatenate((np.asarray(self.window, dtype=np.float64), g))
+        if width < max(self.config.warmup, 1):
+            level = np.full(len(g), np.nan)
+        else:
+            level = rolling_median(held[:-1], width)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(level > 0, g / level, np.nan)
+        return held, level, ratio
+
+    def _passes(
+        self, held: np.ndarray, ratio: np.ndarray, g: np.ndarray, lo: int, hi: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For the new steps `lo:hi` of `_levels`: the limit on each ratio (NaN under the
+        configured ratio, where none is needed), and whether each passes it and the absolute
+        limit, with the reach as it stands."""
+        cfg = self.config
+        width = len(held) - len(g)
+        ratios = ratio[lo:hi]
+        limit = np.full(hi - lo, np.nan)
+        high = np.flatnonzero(ratios > cfg.ratio_threshold)
+        if len(high):
+            rows = sliding_window_view(held[:-1], width)[lo + high]
+            limit[high] = self._limits(np.log(np.maximum(rows, LOG_FLOOR)))
+        over_ratio = ratios > limit
+        if cfg.abs_limit is None:
+            return limit, over_ratio, np.zeros(hi - lo, dtype=bool)
+        return limit, over_ratio, g[lo:hi] > cfg.abs_limit
+
+    def _accept(self, g: np.ndarray, ratio: np.ndarray) -> None:
+        """Add non-spike grad norms (and their ratios to their levels) to the window and the
+        tail counts, in order."""
+        if not len(g):
+            return
+        self.run.end()
+        self.window.extend(g[-(self.window.maxlen or len(g)) :].tolist())
+        self._count(ratio[np.isfinite(ratio)] - 1.0)
+
     def _limits(self, log_rows: np.ndarray) -> np.ndarray:
         """The ratio over the level a grad norm must pass, for windows of log grad norms: the
         configured ratio, the run's own reach, and `min_log_z` robust deviations in log scale."""
@@ -173,20 +229,36 @@ class GradSpikeDetector(Detector):
         out: np.ndarray = np.maximum(max(self.config.ratio_threshold, 1.0 + self.reach), noise)
         return out
 
-    def _count(self, excess: float) -> None:
-        """Count a non-spike step's excess over its level; re-read the tail now and then."""
-        self.excess_hist[_excess_bin(np.asarray(excess))] += 1.0
-        self.excess_total += 1.0
+    def _count(self, excess: np.ndarray) -> None:
+        """Count non-spike steps' excesses over their level, in order: the old counts halve at
+        FORGET_AT and the tail is re-read at every RECOUNT_EVERY-th count past TAIL_SAMPLES."""
+        bins = _excess_bin(excess)
+        done = 0
+        while done < len(bins):
+            counted = int(self.excess_total)
+            take = min(len(bins) - done, max(FORGET_AT - counted, 1))  # up to the next halving
+            # the last count in these at which the tail is re-read: the reach it leaves holds
+            recount = (counted + take) // RECOUNT_EVERY * RECOUNT_EVERY - counted
+            if recount > 0 and counted + recount >= TAIL_SAMPLES:
+                self._add(bins[done : done + recount])
+                self.reach = self._reach()
+                self._add(bins[done + recount : done + take])
+            else:
+                self._add(bins[done : done + take])
+            done += take
+
+    def _add(self, bins: np.ndarray) -> None:
+        """Add counts to the histogram; at FORGET_AT counts the old ones halve."""
+        self.excess_hist += np.bincount(bins, minlength=EXCESS_BINS)
+        self.excess_total += len(bins)
         if self.excess_total >= FORGET_AT:
-            self.excess_hist = [c / 2 for c in self.excess_hist]
+            self.excess_hist /= 2
             self.excess_total /= 2
-        if self.excess_total >= TAIL_SAMPLES and int(self.excess_total) % RECOUNT_EVERY == 0:
-            self.reach = self._reach()
 
     def _reach(self) -> float:
         """The excess the run's own outliers reach once in `reach_steps` steps: a power law
         through two upper quantiles of the counted excesses."""
-        hist, total = np.asarray(self.excess_hist), self.excess_total
+        hist, total = self.excess_hist, self.excess_total
         upper = max(TAIL_SHARE, 10.0 / total)
         lower = min(TAIL_SPAN * upper, 0.5)
         q_hi = _upper_quantile(hist, total, upper)
@@ -196,44 +268,10 @@ class GradSpikeDetector(Detector):
         power = min(math.log(q_hi / q_lo) / math.log(lower / upper), MAX_POWER)
         return float(q_hi * (upper * self.config.reach_steps) ** power)
 
-    def advance(self, series: MetricSeries, start: int) -> int:
-        chunk = _grad_chunk(series, start)
-        if isinstance(chunk, int):
-            return chunk
-        idx, g = chunk
-        cfg = self.config
-        w = cfg.window
-        total = self.excess_total
-        if len(self.window) < w or w < cfg.warmup or total != int(total):
-            return start  # the window fills (or an odd count) step by step
-        v = np.concatenate((np.asarray(self.window, dtype=np.float64), g))
-        level = rolling_median(v[:-1], w)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.where(level > 0, g / level, np.nan)
-        counted = level > 0
-        over = np.zeros(len(g), dtype=bool)
-        high = np.flatnonzero(ratio > cfg.ratio_threshold)
-        if len(high):
-            logs = np.log(np.maximum(v, LOG_FLOOR))
-            rows = sliding_window_view(logs[:-1], w)[high]
-            over[high] = ratio[high] > self._limits(rows)
-        if cfg.abs_limit is not None:
-            over |= g > cfg.abs_limit
-        # the step whose count re-reads the tail (or halves the counts) is left to `update`
-        after = int(total) + np.cumsum(counted)
-        recount = counted & (
-            ((after >= TAIL_SAMPLES) & (after % RECOUNT_EVERY == 0)) | (after >= FORGET_AT)
-        )
-        first = first_true(over | recount)
-        f = len(g) if first is None else first
-        if f > 0:
-            self.window.extend(g[:f][-w:].tolist())
-            excess = ratio[:f][counted[:f]] - 1.0
-            added = np.bincount(_excess_bin(excess), minlength=EXCESS_BINS)
-            self.excess_hist = (np.asarray(self.excess_hist) + added).tolist()
-            self.excess_total = total + float(len(excess))
-            self.run.end()
-        return stop_at(idx, first, series, start)
+
+def _known(value: float) -> float | None:
+    """A figure for an event, None where it is NaN (not known)."""
+    return None if math.isnan(value) else float(value)
 
 
 def _excess_bin(excess: np.ndarray) -> np.ndarray:
@@ -278,22 +316,13 @@ class GradExplosionDetector(Detector):
             return []
         self.groups.update(point)
         cfg = self.config
-        self.history.append(g)
+        growing, over = self._tests(np.array([g]))
+        was_active = self.active
+        self._accept(np.array([g]), growing | over)
+        if not (growing[0] or over[0]) or was_active:
+            return []
         h = list(self.history)
-        growing = (
-            len(h) == cfg.growth_steps + 1
-            and all(b > a for a, b in itertools.pairwise(h))
-            and h[0] > 0
-            and h[-1] / h[0] >= cfg.growth_factor
-        )
-        over = cfg.abs_limit is not None and g > cfg.abs_limit
-        if not (growing or over):
-            self.active = False
-            return []
-        if self.active:
-            return []
-        self.active = True
-        if growing:
+        if growing[0]:
             message = (
                 f"gradient norm grew {fmt(h[-1] / h[0])}x over {cfg.growth_steps} consecutive "
                 f"steps, from {fmt(h[0])} to {fmt(g)}"
@@ -314,11 +343,22 @@ class GradExplosionDetector(Detector):
         if isinstance(chunk, int):
             return chunk
         idx, g = chunk
+        growing, over = self._tests(g)
+        fires = growing | over
+        active_before = np.concatenate(([self.active], fires[:-1]))
+        first = first_true(fires & ~active_before)
+        f = len(g) if first is None else first
+        self._accept(g[:f], fires[:f])
+        return stop_at(idx, first, series, start)
+
+    def _tests(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For each new grad norm in `g`, after the history as it stands: whether it ends
+        `growth_steps` rises by `growth_factor` in all, and whether it passes `abs_limit`."""
         cfg = self.config
         n = cfg.growth_steps + 1
         held = len(self.history)
         v = np.concatenate((np.asarray(self.history, dtype=np.float64), g))
-        grown = np.zeros(len(g), dtype=bool)
+        growing = np.zeros(len(g), dtype=bool)
         if len(v) >= n:
             rows = sliding_window_view(v, n)  # row r ends at v[r + n - 1]
             with np.errstate(divide="ignore", invalid="ignore"):
@@ -329,15 +369,16 @@ class GradExplosionDetector(Detector):
                 )
             ends = np.arange(n - 1, len(v)) - held  # the new value each row ends at
             keep = ends >= 0
-            grown[ends[keep]] = ok[keep]
-        cond = grown if cfg.abs_limit is None else grown | (g > cfg.abs_limit)
-        active_before = np.concatenate(([self.active], cond[:-1]))
-        first = first_true(cond & ~active_before)
-        f = len(g) if first is None else first
-        if f > 0:
-            self.history.extend(g[:f][-n:].tolist())
-            self.active = bool(cond[f - 1])
-        return stop_at(idx, first, series, start)
+            growing[ends[keep]] = ok[keep]
+        if cfg.abs_limit is None:
+            return growing, np.zeros(len(g), dtype=bool)
+        return growing, g > cfg.abs_limit
+
+    def _accept(self, g: np.ndarray, fires: np.ndarray) -> None:
+        """Add grad norms to the history; the incident is on while the last one fires."""
+        if len(g):
+            self.history.extend(g[-(self.history.maxlen or len(g)) :].tolist())
+            self.active = bool(fires[-1])
 
 
 class VanishingGradientDetector(Detector):
