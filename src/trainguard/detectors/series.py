@@ -1,5 +1,5 @@
-"""`MetricSeries`: a whole logged run as columns, and the window helpers of the detectors' bulk
-path (`Detector.advance`), which must match their step-by-step `update`."""
+"""`MetricSeries`: a whole logged run as columns, and the window helpers the detectors compute
+their per-step figures with, on a chunk of one step (`update`) or many (`advance`) alike."""
 
 from __future__ import annotations
 
@@ -115,8 +115,27 @@ def rolling_median(values: np.ndarray, width: int) -> np.ndarray:
         hi = np.minimum(np.maximum(a, b), np.maximum(c, d))
         five: np.ndarray = np.maximum(np.minimum(lo, hi), np.minimum(np.maximum(lo, hi), e))
         return five
+    if len(values) >= PANDAS_FROM * width:
+        fast = _pandas_rolling_median(values, width)
+        if fast is not None:
+            return fast
     windows = sliding_window_view(values, width)
     out: np.ndarray = np.median(windows, axis=1)
+    return out
+
+
+PANDAS_FROM = 64  # windows in a row from which pandas' rolling median (a skip list) pays off
+
+
+def _pandas_rolling_median(values: np.ndarray, width: int) -> np.ndarray | None:
+    """`rolling_median` in O(log width) a value through pandas (the `fast` extra), or None
+    without it; the same selection, so the same figures."""
+    try:
+        import pandas as pd
+    except ImportError:
+        return None
+    rolled = pd.Series(values).rolling(width).median().to_numpy(dtype=np.float64)
+    out: np.ndarray = rolled[width - 1 :]
     return out
 
 
