@@ -37,6 +37,12 @@ def inferred_overflow(loss: np.ndarray, grad_norm: np.ndarray | None) -> np.ndar
     return out
 
 
+def _flagged(loss: np.ndarray, grads_bad: np.ndarray, overflow: np.ndarray) -> np.ndarray:
+    """The steps that raise an event: a non-finite loss or gradients, or an overflow."""
+    out: np.ndarray = ~np.isfinite(loss) | grads_bad | overflow
+    return out
+
+
 class NonFiniteDetector(Detector):
     """NaN/Inf loss or gradients are `nonfinite` (critical), naming the parameters; a GradScaler
     overflow is `fp16_overflow` (info) until the scale collapses or overflow persists."""
@@ -53,7 +59,10 @@ class NonFiniteDetector(Detector):
         if point.overflow:
             return self._overflow(point)
         self.overflow_run = 0
-        if point.loss_finite and point.grads_finite:
+        flagged = _flagged(
+            np.array([point.loss]), np.array([not point.grads_finite]), np.array([point.overflow])
+        )
+        if not flagged[0]:
             return []
         parts = []
         if not point.loss_finite:
@@ -77,15 +86,15 @@ class NonFiniteDetector(Detector):
 
     def advance(self, series: MetricSeries, start: int) -> int:
         end = series.chunk_end(start)
-        bad = ~np.isfinite(series.loss[start:end])
-        if series.overflow is not None:
-            bad |= series.overflow[start:end]
-        if series.grad_norm is not None:
-            g = series.grad_norm[start:end]
-            bad |= np.isinf(g)
+        grads_bad = np.zeros(end - start, dtype=bool)
+        if series.grad_norm is not None:  # NaN marks a grad norm the log does not have
+            grads_bad |= np.isinf(series.grad_norm[start:end])
         if series.nonfinite_grads is not None:
-            bad |= series.nonfinite_grads[start:end] > 0
-        first = first_true(bad)
+            grads_bad |= series.nonfinite_grads[start:end] > 0
+        overflow = np.zeros(end - start, dtype=bool)
+        if series.overflow is not None:
+            overflow = series.overflow[start:end]
+        first = first_true(_flagged(series.loss[start:end], grads_bad, overflow))
         f = end - start if first is None else first
         if f > 0:
             self.overflow_run = 0
