@@ -16,11 +16,7 @@ from trainguard.detectors.series import MetricSeries, first_true, stop_at
 from trainguard.detectors.stats import (
     MAD_TO_SIGMA,
     WARM_RESTART,
-    detrended,
     dominant_period,
-    lr_increased,
-    mann_kendall_z,
-    median,
 )
 from trainguard.events import Event
 
@@ -42,22 +38,35 @@ class StallDetector(Detector):
         block = self.blocks.add(point.loss) if point.loss_finite else None
         if block is None:
             return []
-        self.means.append(sum(block) / len(block))
+        self.means.append(float(np.mean(block)))
         if len(self.means) < self.config.blocks:
             return []
-        improvement, se = relative_improvement(list(self.means))
-        tol = self.config.rel_tol
-        if improvement - 2 * se > tol:
+        trend = self._trend(np.asarray([self.means], dtype=np.float64))
+        improvement, se, progress, stalling = (x[0] for x in trend)
+        if progress:
             self.stalled = False
-        if self.stalled or improvement + 2 * se >= tol:
+        if self.stalled or not stalling:
             return []
         self.stalled = True
+        tol = self.config.rel_tol
         message = (
             f"training stalled: the loss improved {improvement:+.2%} (+/- {2 * se:.2%}) over the "
             f"last {self.config.window} steps, under the {tol:.2%} expected"
         )
-        metrics = {"improvement": improvement, "standard_error": se, "level": self.means[-1]}
+        metrics = {
+            "improvement": float(improvement),
+            "standard_error": float(se),
+            "level": self.means[-1],
+        }
         return [self.event(point, "info", message, metrics)]
+
+    def _trend(self, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+        """For rows of block means: the relative improvement and its standard error, whether
+        the progress is clear (it ends a plateau), and whether it is under `rel_tol` even at two
+        standard errors (a plateau)."""
+        improvement, se = relative_improvements(rows)
+        tol = self.config.rel_tol
+        return improvement, se, improvement - 2 * se > tol, improvement + 2 * se < tol
 
     def advance(self, series: MetricSeries, start: int) -> int:
         idx, losses = series.finite_losses(start)
@@ -68,24 +77,16 @@ class StallDetector(Detector):
             return series.chunk_end(start)
         means = np.concatenate((np.asarray(self.means, dtype=np.float64), done.rows.mean(axis=1)))
         held = len(self.means)
-        improvement = np.full(done.count, np.nan)
-        se = np.full(done.count, np.nan)
+        changes = np.zeros(done.count, dtype=bool)  # the blocks where `update` decides anything
         if len(means) >= n:
             rows = sliding_window_view(means, n)[max(held - n + 1, 0) :]
-            imp, err = relative_improvements(rows)
-            improvement[done.count - len(rows) :] = imp
-            se[done.count - len(rows) :] = err
-        tol = self.config.rel_tol
-        fire = improvement + 2 * se < tol
-        progress = improvement - 2 * se > tol
-        reset = first_true(progress) if self.stalled else 0
-        from_block = done.count if reset is None else reset
-        hit = first_true(fire[from_block:])
-        f = done.count if hit is None else from_block + hit
-        self.stalled = self.stalled and (reset is None or reset >= f)
+            _, _, progress, stalling = self._trend(rows)
+            changes[done.count - len(rows) :] = progress if self.stalled else stalling
+        first = first_true(changes)
+        f = done.count if first is None else first
         self.means = deque(means[: held + f][-n:].tolist(), maxlen=n)
         self.blocks.values = done.partial_before(f)
-        return stop_at(idx, None if hit is None else done.ends[f], series, start)
+        return stop_at(idx, None if first is None else done.ends[f], series, start)
 
 
 class _BlockStream:
@@ -108,7 +109,8 @@ class _BlockStream:
 
 
 def relative_improvements(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`relative_improvement` of each row, vectorised."""
+    """The fall of a least-squares line over each row, relative to its start, and its standard
+    error; positive when the loss goes down."""
     n = rows.shape[1]
     t = np.arange(n, dtype=np.float64) - (n - 1) / 2
     tt = float(np.dot(t, t))
@@ -118,20 +120,6 @@ def relative_improvements(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     se_slope = np.sqrt(np.sum(residuals * residuals, axis=1) / (n - 2) / tt)
     start = rows.mean(axis=1) - slope * (n - 1) / 2
     scale = np.where(start != 0, np.abs(start), 1.0)
-    return -slope * (n - 1) / scale, se_slope * (n - 1) / scale
-
-
-def relative_improvement(means: list[float]) -> tuple[float, float]:
-    """Fall of a least-squares line over the series, relative to its start, and its standard
-    error; positive when the loss goes down."""
-    y = np.asarray(means, dtype=np.float64)
-    n = len(y)
-    t = np.arange(n, dtype=np.float64) - (n - 1) / 2
-    slope = float(np.dot(t, y - y.mean()) / np.dot(t, t))
-    residuals = y - y.mean() - slope * t
-    se_slope = math.sqrt(float(np.dot(residuals, residuals)) / (n - 2) / float(np.dot(t, t)))
-    start = y.mean() - slope * (n - 1) / 2
-    scale = abs(start) if start != 0 else 1.0
     return -slope * (n - 1) / scale, se_slope * (n - 1) / scale
 
 
@@ -183,41 +171,53 @@ class DivergenceDetector(Detector):
         block = self.blocks.add(point.loss) if point.loss_finite else None
         if block is None:
             return []
-        centre = median(block)
-        self.medians.append(centre)
-        self.spreads.append(median([abs(v - centre) for v in block]))
+        rows = np.asarray([block], dtype=np.float64)
+        centres, spreads = _median_and_spread(rows)
+        self.medians.append(float(centres[0]))
+        self.spreads.append(float(spreads[0]))
         if point.lr is not None and math.isfinite(point.lr):
             self.block_lrs.append(point.lr)
         if len(self.medians) < self.config.blocks:
             return []
-        values = list(self.medians)
-        z = mann_kendall_z(values)
-        low = min(values)
-        rise = (values[-1] - low) / abs(low) if low != 0 else 0.0
-        early_low = values.index(low) < len(values) // 2
-        noise = _median_noise(np.asarray([values]), np.asarray([self._spreads()]), len(block))
-        clear = values[-1] - low > RISE_NOISE * float(noise[0])
-        rising = (
-            z > self.config.z_threshold and rise >= self.config.min_rel_rise and early_low and clear
-        )
-        if not rising or lr_increased(self.block_lrs):  # a warmup's gradual rise is no restart
+        values = np.asarray([self.medians], dtype=np.float64)
+        judged = self._rising(values, np.asarray([self._spreads()]), len(block))
+        z, rise, low, rising = (float(x[0]) for x in judged)
+        lrs = np.asarray(self.block_lrs, dtype=np.float64)
+        jumped = lr_jumped(lrs, np.array([len(lrs)]), self.block_lrs.maxlen or 1)[0]
+        if not rising or jumped:  # a warmup's gradual rise is no restart
             self.active = False
             return []
         if self.active:
             return []
         self.active = True
+        latest = self.medians[-1]
         message = (
             f"loss diverging: it rose steadily over the last {self.config.window} steps "
-            f"(trend z={z:.1f}), {rise:.1%} above its lowest, now {fmt(values[-1])}"
+            f"(trend z={z:.1f}), {rise:.1%} above its lowest, now {fmt(latest)}"
         )
         metrics = {
             "trend_z": z,
             "rise": rise,
             "lowest": low,
-            "latest": values[-1],
+            "latest": latest,
             "window": self.config.window,
         }
         return [self.event(point, "critical", message, metrics)]
+
+    def _rising(
+        self, medians: np.ndarray, spreads: np.ndarray, size: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For rows of `blocks` block medians and their spreads: the trend z, the rise over the
+        lowest median, the lowest, and whether it is a steady rise (before the LR test)."""
+        cfg = self.config
+        z = mann_kendall_many(medians)
+        low = medians.min(axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rise = np.where(low != 0, (medians[:, -1] - low) / np.abs(low), 0.0)
+        early_low = np.argmin(medians, axis=1) < medians.shape[1] // 2
+        clear = medians[:, -1] - low > RISE_NOISE * _median_noise(medians, spreads, size)
+        rising = (z > cfg.z_threshold) & (rise >= cfg.min_rel_rise) & early_low & clear
+        return z, rise, low, rising
 
     def _spreads(self) -> list[float]:
         """The spreads beside the medians, NaN for a median whose spread was never kept."""
@@ -231,56 +231,49 @@ class DivergenceDetector(Detector):
             self.blocks.values.extend(losses.tolist())
             return series.chunk_end(start)
         n, held = cfg.blocks, len(self.medians)
-        centres = np.median(done.rows, axis=1)
+        centres, new_spreads = _median_and_spread(done.rows)
         medians = np.concatenate((np.asarray(self.medians, dtype=np.float64), centres))
-        spreads = np.concatenate(
-            (
-                np.asarray(self._spreads(), dtype=np.float64),
-                np.median(np.abs(done.rows - centres[:, None]), axis=1),
-            )
-        )
+        spreads = np.concatenate((np.asarray(self._spreads(), dtype=np.float64), new_spreads))
         new_lrs = (
             series.lr[idx[done.ends]] if series.lr is not None else np.full(done.count, np.nan)
         )
         lr_ok = np.isfinite(new_lrs)
         lrs = np.concatenate((np.asarray(self.block_lrs, dtype=np.float64), new_lrs[lr_ok]))
         lr_count = len(self.block_lrs) + np.cumsum(lr_ok)  # deque length after each block
-        jumps = np.zeros(len(lrs), dtype=bool)
-        jumps[1:] = lrs[1:] > WARM_RESTART * lrs[:-1]
-        prefix = np.concatenate(([0], np.cumsum(jumps)))
-        lo = np.maximum(lr_count - (self.block_lrs.maxlen or 1) + 1, 1)
-        lr_jump = prefix[lr_count] - prefix[np.minimum(lo, lr_count)] > 0
         checked = held + np.arange(done.count) + 1 >= n
-        cond = np.zeros(done.count, dtype=bool)
+        changes = np.zeros(done.count, dtype=bool)  # the blocks where `update` decides anything
         if checked.any():
             rows = sliding_window_view(medians, n)[max(held - n + 1, 0) :]
-            z = mann_kendall_many(rows)
-            low = rows.min(axis=1)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                rise = np.where(low != 0, (rows[:, -1] - low) / np.abs(low), 0.0)
-            early_low = np.argmin(rows, axis=1) < n // 2
             spread_rows = sliding_window_view(spreads, n)[max(held - n + 1, 0) :]
-            noise = _median_noise(rows, spread_rows, done.size)
-            clear = rows[:, -1] - low > RISE_NOISE * noise
-            rising = (z > cfg.z_threshold) & (rise >= cfg.min_rel_rise) & early_low & clear
-            cond[done.count - len(rows) :] = rising
-        cond &= ~lr_jump
-        active = np.empty(done.count, dtype=bool)  # the flag before each block
-        active[0] = self.active
-        for_checked = np.where(checked, cond, False)
-        active[1:] = np.where(checked[:-1], for_checked[:-1], self.active)
-        first = first_true(checked & cond & ~active)
+            rising = self._rising(rows, spread_rows, done.size)[3]
+            rising &= ~lr_jumped(lrs, lr_count, self.block_lrs.maxlen or 1)[checked]
+            changes[checked] = rising != self.active
+        first = first_true(changes)
         f = done.count if first is None else first
-        if first is None:
-            self.active = bool(cond[-1]) if checked[-1] else self.active
-        else:
-            self.active = bool(active[f])
         self.medians = deque(medians[: held + f][-n:].tolist(), maxlen=n)
         self.spreads = deque(spreads[: held + f][-n:].tolist(), maxlen=n)
         kept = int(lr_count[f - 1]) if f > 0 else len(self.block_lrs)
         self.block_lrs = deque(lrs[:kept].tolist(), maxlen=self.block_lrs.maxlen)
         self.blocks.values = done.partial_before(f)
         return stop_at(idx, None if first is None else done.ends[f], series, start)
+
+
+def _median_and_spread(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each block's median, and its median absolute deviation from it (the noise within)."""
+    centres = np.median(rows, axis=1)
+    spreads: np.ndarray = np.median(np.abs(rows - centres[:, None]), axis=1)
+    return centres, spreads
+
+
+def lr_jumped(lrs: np.ndarray, counts: np.ndarray, keep: int) -> np.ndarray:
+    """For each count c: whether the LR jumped by `WARM_RESTART` from one value to the next (a
+    warm restart) among the last `keep` of the first c values of `lrs`."""
+    jumps = np.zeros(len(lrs), dtype=bool)
+    jumps[1:] = lrs[1:] > WARM_RESTART * lrs[:-1]
+    prefix = np.concatenate(([0], np.cumsum(jumps)))
+    lo = np.maximum(counts - keep + 1, 1)
+    out: np.ndarray = prefix[counts] - prefix[np.minimum(lo, counts)] > 0
+    return out
 
 
 def mann_kendall_many(rows: np.ndarray) -> np.ndarray:
@@ -315,14 +308,11 @@ class OscillationDetector(Detector):
         if not point.loss_finite:
             return []
         cfg = self.config
-        self.window.append(point.loss)
-        self.since_check += 1
-        if self.cooldown > 0:
-            self.cooldown -= 1
-        if len(self.window) < cfg.window or self.since_check < cfg.check_every or self.cooldown:
+        checks = self._checks(1)
+        self._tick(np.array([point.loss]), checks)
+        if not len(checks):
             return []
-        self.since_check = 0
-        metrics = self._swing(np.asarray(self.window, dtype=np.float64))
+        metrics = self._swing(np.asarray([self.window], dtype=np.float64))[0]
         if metrics is None:
             return []
         self.cooldown = cfg.window
@@ -333,62 +323,81 @@ class OscillationDetector(Detector):
         )
         return [self.event(point, "warning", message, metrics)]
 
-    def _swing(self, values: np.ndarray) -> dict[str, Any] | None:
-        """The figures of a growing periodic swing in a window of losses, or None."""
-        cfg = self.config
-        residuals = detrended(values)
-        period, acf = dominant_period(residuals, cfg.min_period)
-        if not period or acf < cfg.min_acf:
-            return None
-        half = len(residuals) // 2
-        early = float(np.sqrt(np.mean(residuals[:half] ** 2)))
-        late = float(np.sqrt(np.mean(residuals[half:] ** 2)))
-        level = abs(float(np.median(values)))
-        amplitude = late * math.sqrt(2.0)
-        if early <= 0 or late / early < cfg.growth or amplitude < cfg.min_rel_amplitude * level:
-            return None
-        if period > half // 2 or lag_correlation(residuals[:half], period) < cfg.min_acf:
-            return None  # no swing yet in the earlier half: it did not grow, it began
-        if not still_growing(residuals[half:], period):
-            return None  # it grew once and stays: a change of level, not a growing swing
-        return {
-            "period": period,
-            "autocorrelation": acf,
-            "growth": late / early,
-            "amplitude": amplitude,
-        }
-
     def advance(self, series: MetricSeries, start: int) -> int:
-        cfg = self.config
         idx, losses = series.finite_losses(start)
-        m, w = len(losses), cfg.window
-        if m == 0:
+        if len(losses) == 0:
             return series.chunk_end(start)
-        held = len(self.window)
-        v = np.concatenate((np.asarray(self.window, dtype=np.float64), losses))
-        k = np.arange(m)
-        cooldown = np.maximum(self.cooldown - (k + 1), 0)  # after each step's countdown
-        eligible = (np.minimum(held + k + 1, w) >= w) & (cooldown == 0)
-        since = self.since_check + k + 1  # before any check in this chunk
-        candidates = np.flatnonzero(eligible & (since >= cfg.check_every))
-        checks = np.empty(0, dtype=np.int64)
-        if len(candidates):
-            c0 = int(candidates[0])  # later checks follow every `check_every` steps
-            checks = np.arange(c0, m, cfg.check_every)
+        held, w = len(self.window), self.config.window
+        checks = self._checks(len(losses))
         first = None
         if len(checks):
-            windows = sliding_window_view(v, w)[checks + held + 1 - w]
-            for j in np.flatnonzero(_may_swing(windows, cfg)):
-                if self._swing(windows[j]) is not None:
-                    first = int(checks[j])
-                    break
-        f = m if first is None else first
-        if f > 0:
-            self.window = deque(v[: held + f][-w:].tolist(), maxlen=w)
-            done = checks[checks < f]
-            self.since_check = int(f - 1 - done[-1]) if len(done) else self.since_check + f
-            self.cooldown = int(max(self.cooldown - f, 0))
+            v = np.concatenate((np.asarray(self.window, dtype=np.float64), losses))
+            found = self._swing(sliding_window_view(v, w)[checks + held + 1 - w], stop=True)
+            first = next((int(c) for c, m in zip(checks, found, strict=True) if m), None)
+        f = len(losses) if first is None else first
+        self._tick(losses[:f], checks)
         return stop_at(idx, first, series, start)
+
+    def _checks(self, m: int) -> np.ndarray:
+        """Which of the next `m` finite losses (0 for the first) are checked for a swing, with
+        none found before: every `check_every` steps once the window is full and no cooldown
+        from the last swing is left."""
+        cfg = self.config
+        k = np.arange(m)
+        cooled = self.cooldown - (k + 1) <= 0
+        full = len(self.window) + k + 1 >= cfg.window
+        due = np.flatnonzero(full & cooled & (self.since_check + k + 1 >= cfg.check_every))
+        if not len(due):
+            return due
+        return np.arange(int(due[0]), m, cfg.check_every)
+
+    def _tick(self, losses: np.ndarray, checks: np.ndarray) -> None:
+        """Take finite losses into the window and count them down to the next check."""
+        f = len(losses)
+        if f == 0:
+            return
+        self.window.extend(losses[-self.config.window :].tolist())
+        done = checks[checks < f]
+        self.since_check = int(f - 1 - done[-1]) if len(done) else self.since_check + f
+        self.cooldown = max(self.cooldown - f, 0)
+
+    def _swing(self, windows: np.ndarray, stop: bool = False) -> list[dict[str, Any] | None]:
+        """The figures of a growing periodic swing in each window of losses (None where there is
+        none); with `stop`, the windows after the first swing are left unread (None)."""
+        cfg = self.config
+        n = windows.shape[1]
+        t = np.linspace(-1.0, 1.0, n)
+        basis = np.vstack((np.ones(n), t, t * t)).T
+        residuals = windows - (windows @ np.linalg.pinv(basis).T) @ basis.T
+        half = n // 2
+        early = np.sqrt(np.mean(residuals[:, :half] ** 2, axis=1))
+        late = np.sqrt(np.mean(residuals[:, half:] ** 2, axis=1))
+        amplitude = late * math.sqrt(2.0)
+        # |median| is at least this much: the exact level is read only where this passes
+        bound = np.maximum(np.maximum(windows.min(axis=1), -windows.max(axis=1)), 0.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            grows = (early > 0) & (late / early >= cfg.growth)
+        found: list[dict[str, Any] | None] = [None] * len(windows)
+        for j in np.flatnonzero(grows & (amplitude >= cfg.min_rel_amplitude * bound)).tolist():
+            level = abs(float(np.median(windows[j])))
+            if amplitude[j] < cfg.min_rel_amplitude * level:
+                continue
+            period, acf = dominant_period(residuals[j], cfg.min_period)
+            if not period or acf < cfg.min_acf:
+                continue
+            if period > half // 2 or lag_correlation(residuals[j, :half], period) < cfg.min_acf:
+                continue  # no swing yet in the earlier half: it did not grow, it began
+            if not still_growing(residuals[j, half:], period):
+                continue  # it grew once and stays: a change of level, not a growing swing
+            found[j] = {
+                "period": period,
+                "autocorrelation": acf,
+                "growth": float(late[j] / early[j]),
+                "amplitude": float(amplitude[j]),
+            }
+            if stop:
+                break
+        return found
 
 
 def lag_correlation(values: np.ndarray, lag: int) -> float:
@@ -415,22 +424,3 @@ def still_growing(residuals: np.ndarray, period: int) -> bool:
     first = float(np.sqrt(np.mean(whole[:span] ** 2)))
     last = float(np.sqrt(np.mean(whole[-span:] ** 2)))
     return last >= LATE_GROWTH * first
-
-
-def _may_swing(windows: np.ndarray, cfg: OscillationConfig) -> np.ndarray:
-    """Which windows pass the amplitude and growth tests of `_swing` (with a margin for rounding),
-    vectorised: only those need its exact autocorrelation test."""
-    n = windows.shape[1]
-    t = np.linspace(-1.0, 1.0, n)
-    basis = np.vstack((np.ones(n), t, t * t)).T
-    residuals = windows - (windows @ np.linalg.pinv(basis).T) @ basis.T
-    half = n // 2
-    early = np.sqrt(np.mean(residuals[:, :half] ** 2, axis=1))
-    late = np.sqrt(np.mean(residuals[:, half:] ** 2, axis=1))
-    # |median| is at least this much, which is all a necessary test needs
-    level = np.maximum(np.maximum(windows.min(axis=1), -windows.max(axis=1)), 0.0)
-    margin = 0.99
-    with np.errstate(divide="ignore", invalid="ignore"):
-        grows = (early > 0) & (late / early >= margin * cfg.growth)
-    out: np.ndarray = grows & (late * math.sqrt(2.0) >= margin * cfg.min_rel_amplitude * level)
-    return out
