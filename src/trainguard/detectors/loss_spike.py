@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
+from dataclasses import dataclass, fields
 from statistics import NormalDist
 from typing import Any
 
@@ -29,7 +30,6 @@ from trainguard.detectors.stats import (
     mann_kendall_z,
     mean,
     median,
-    noise_and_drift,
     student_t_reach,
 )
 from trainguard.events import Event, Severity, SpikeType
@@ -60,6 +60,30 @@ SPREAD_SPAN = 32  # the latest losses whose spread bounds the window's: a quadra
 SPREAD_NEAR = 1.5  # even early in training, where over the whole window the loss's curvature
 # would read as noise; the window's spread counts up to this x theirs
 # and the baseline is not swinging periodically: a swing is signal, judged apart (`_swing`)
+
+
+@dataclass
+class _Measures:
+    """`LossSpikeDetector._measure` of a chunk of losses: one value a step (`noise_var` has one
+    more: the value before each step, and after the last)."""
+
+    losses: np.ndarray
+    base_mean: np.ndarray
+    short: np.ndarray
+    drift: np.ndarray
+    level: np.ndarray
+    noise_var: np.ndarray
+    sigma: np.ndarray
+    jump: np.ndarray
+    z: np.ndarray
+    z_noise: np.ndarray
+    below: np.ndarray
+    ratio: np.ndarray
+
+    def at(self, k: int) -> _Measures:
+        """The measures of step `k` alone."""
+        values = [getattr(self, f.name)[k : k + 1] for f in fields(self)]
+        return _Measures(*values)
 
 
 class _TailCounts:
@@ -199,40 +223,21 @@ class LossSpikeDetector(Detector):
         if len(self.window) < cfg.warmup:
             self._accept(loss, point.grad_norm, None)
             return events
-        recent = list(self.window)
-        base_mean = mean(recent)
-        if self.noise_age % NOISE_EVERY == 0:
-            self.short, self.drift = noise_and_drift(recent)
-            spreads, nears = _bounded_spread(np.asarray([recent], dtype=np.float64))
-            spread, near_spread = float(spreads[0]), float(nears[0])
-            raised = min(spread, near_spread) > SPREAD_MIN * self.short  # both spans agree
-            if raised and self._swing(recent) is None:
-                self.short = min(spread, SPREAD_CAP * self.short)
-        self.noise_age += 1
-        near = median(recent[-cfg.level_window :])  # the level the noise is measured from
-        level = near
-        span = self._long_window
-        if span > cfg.level_window:  # a short dip does not drag the level a spike is judged on
-            level = max(near, median(recent[-span:]) + self.drift * self._long_shift)
-        short = self.short
+        m = self._measure(np.array([loss]))
         if self.noise_var is None:
-            self.noise_var = short * short
-        sigma = max(short, math.sqrt(self.noise_var))
-        jump = loss - level
-        z = jump / sigma if sigma > 0 else (math.inf if jump > 0 else 0.0)
-        # the noise's own deviations, from the near level, for its tails: the z of a baseline
-        # step, and how far below where the drift has taken the level by now it is
-        dev = loss - near
-        z_noise = dev / sigma if sigma > 0 else (math.inf if dev > 0 else 0.0)
-        below = (dev - self._lag * self.drift) / sigma if sigma > 0 else 0.0
-        ratio = loss / base_mean if base_mean > 0 else math.nan
-        threshold = max(cfg.z_threshold, self.reach)
-        big = jump > cfg.min_rel_jump * abs(level)
-        z_rule = z > threshold and big
-        ratio_rule = (
-            base_mean > 0 and loss > cfg.ratio_threshold * base_mean and z > cfg.ratio_min_z
+            self.noise_var = float(m.noise_var[0])
+        self.short, self.drift = float(m.short[0]), float(m.drift[0])
+        self.noise_age += 1
+        base_mean, level, sigma, jump, z, z_noise, below, ratio = (
+            float(x[0])
+            for x in (m.base_mean, m.level, m.sigma, m.jump, m.z, m.z_noise, m.below, m.ratio)
         )
-        elevated = z > cfg.persist_z * self.tail and big
+        z_rule_of, ratio_rule_of, elevated_of, threshold = self._rules(m, self.tail, self.reach)
+        z_rule, ratio_rule, elevated = (
+            bool(z_rule_of[0]),
+            bool(ratio_rule_of[0]),
+            bool(elevated_of[0]),
+        )
         if self.run.active:
             if z_rule or ratio_rule or z > 0.5 * cfg.persist_z * self.tail:  # not back yet
                 new_level = self.run.extend(loss)
@@ -313,79 +318,43 @@ class LossSpikeDetector(Detector):
         return events
 
     def advance(self, series: MetricSeries, start: int) -> int:
-        cfg = self.config
         full = len(self.window) == self.window.maxlen
         if self.watch is not None or self.run.active or self.pending or not full:
             return start
         if self.noise_var is None or self.last is None:
             return start
         idx, losses = series.finite_losses(start)
-        m, w = len(losses), cfg.window
+        m = len(losses)
         if m == 0:
             return series.chunk_end(start)
-        v = np.concatenate((np.asarray(self.window, dtype=np.float64), losses))
-        base_mean = trailing_means(v, w, w)
-        ages = self.noise_age + np.arange(m)
-        refresh = np.flatnonzero(ages % NOISE_EVERY == 0)
-        short = np.full(m, self.short)
-        drift = np.full(m, self.drift)
-        if len(refresh):
-            rows = sliding_window_view(v[:-1], w)[refresh]
-            fresh, fresh_drift = noise_sigmas(rows)
-            spread, near_spread = _bounded_spread(rows)
-            raised = np.minimum(spread, near_spread) > SPREAD_MIN * fresh  # both spans agree
-            for j in np.flatnonzero(raised).tolist():
-                if self._swing(rows[j].tolist()) is None:  # a swing's spread is no noise
-                    fresh[j] = min(float(spread[j]), SPREAD_CAP * float(fresh[j]))
-            which = np.searchsorted(refresh, np.arange(m), side="right") - 1
-            short = np.where(which >= 0, fresh[np.maximum(which, 0)], self.short)
-            drift = np.where(which >= 0, fresh_drift[np.maximum(which, 0)], self.drift)
-        near = rolling_median(v[w - cfg.level_window : -1], cfg.level_window)
-        level = near
-        span = self._long_window
-        if span > cfg.level_window:
-            long = rolling_median(v[w - span : -1], span) + drift * self._long_shift
-            level = np.maximum(near, long)
-        prev = np.concatenate(([self.last], losses[:-1]))
-        diffs = losses - prev - drift
-        noise_var = warm_ema(
-            0.5 * diffs * diffs, self.noise_var, self.noise_count, cfg.noise_horizon
-        )
-        sigma = np.maximum(short, np.sqrt(noise_var[:-1]))
-        jump = losses - level
-        with np.errstate(divide="ignore", invalid="ignore"):
-            z = np.where(sigma > 0, jump / sigma, np.where(jump > 0, np.inf, 0.0))
-        dev = losses - near
-        with np.errstate(divide="ignore", invalid="ignore"):
-            z_noise = np.where(sigma > 0, dev / sigma, np.where(dev > 0, np.inf, 0.0))
-        counted = np.isfinite(z_noise)
-        bins = np.minimum(np.abs(z_noise[counted]) / Z_BIN, Z_BINS - 1).astype(np.int64)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            below = np.where(sigma > 0, (dev - self._lag * drift) / sigma, 0.0)
+        got = self._measure(losses)
+        counted = np.isfinite(got.z_noise)
+        bins = np.minimum(np.abs(got.z_noise[counted]) / Z_BIN, Z_BINS - 1).astype(np.int64)
         before = np.concatenate(([0], np.cumsum(counted)))[:-1]  # counts before each step
-        tails = _TailCounts(self, bins, _low_bin(below[counted]))
+        tails = _TailCounts(self, bins, _low_bin(got.below[counted]))
         if tails.totals is None:
             return start
-        ratio_rule = (
-            (base_mean > 0) & (losses > cfg.ratio_threshold * base_mean) & (z > cfg.ratio_min_z)
-        )
+        ratio_rule = self._rules(got, self.tail, self.reach)[1]
+        first = first_true(ratio_rule)
+        cfg = self.config
         lowest = min(cfg.z_threshold, cfg.persist_z)  # a spike, or the first step of a lasting one
         # (each threshold only widens from these, so steps under `lowest` need no look)
-        high = (z > lowest) & (jump > cfg.min_rel_jump * np.abs(level))
-        first = first_true(ratio_rule)
-        for k in np.flatnonzero(high[: m if first is None else first]).tolist():
+        for k in np.flatnonzero(got.z[: m if first is None else first] > lowest).tolist():
             tail, reach = tails.tail_after(int(before[k]))
-            if z[k] > min(max(cfg.z_threshold, reach), cfg.persist_z * tail):
+            z_rule, _, elevated, _ = self._rules(got.at(k), tail, reach)
+            if z_rule[0] or elevated[0]:
                 first = k
                 break
         f = m if first is None else first
         if f == 0:
             return int(idx[0])
-        self.window = deque(v[f : f + w].tolist(), maxlen=w)
-        self.noise_var = float(noise_var[f])
+        w = cfg.window
+        kept = np.concatenate((np.asarray(self.window, dtype=np.float64), losses[:f]))
+        self.window = deque(kept[-w:].tolist(), maxlen=w)
+        self.noise_var = float(got.noise_var[f])
         self.last = float(losses[f - 1])
-        self.short = float(short[f - 1])
-        self.drift = float(drift[f - 1])
+        self.short = float(got.short[f - 1])
+        self.drift = float(got.drift[f - 1])
         self.noise_count += f
         self.noise_age += f
         counts = int(before[f - 1] + counted[f - 1])
@@ -397,6 +366,73 @@ class LossSpikeDetector(Detector):
             g = series.grad_norm[idx[:f]]
             self.grads.extend(g[np.isfinite(g)][-w:].tolist())
         return stop_at(idx, first, series, start)
+
+    def _measure(self, losses: np.ndarray) -> _Measures:
+        """What each new loss is judged on, after the window as it stands and as if each one
+        before it in `losses` joined the baseline (more than one needs a full window): the
+        recent mean, the noise (re-estimated every NOISE_EVERY steps) and drift, the near and
+        the judged level, and the loss's z and ratio over them."""
+        cfg = self.config
+        m, held = len(losses), len(self.window)
+        v = np.concatenate((np.asarray(self.window, dtype=np.float64), losses))
+        base_mean = trailing_means(v, held, held)
+        ages = self.noise_age + np.arange(m)
+        refresh = np.flatnonzero(ages % NOISE_EVERY == 0)
+        short = np.full(m, self.short)
+        drift = np.full(m, self.drift)
+        if len(refresh):
+            rows = sliding_window_view(v[:-1], held)[refresh]
+            fresh, fresh_drift = noise_sigmas(rows)
+            spread, near_spread = _bounded_spread(rows)
+            raised = np.minimum(spread, near_spread) > SPREAD_MIN * fresh  # both spans agree
+            for j in np.flatnonzero(raised).tolist():
+                if self._swing(rows[j].tolist()) is None:  # a swing's spread is no noise
+                    fresh[j] = min(float(spread[j]), SPREAD_CAP * float(fresh[j]))
+            which = np.searchsorted(refresh, np.arange(m), side="right") - 1
+            short = np.where(which >= 0, fresh[np.maximum(which, 0)], self.short)
+            drift = np.where(which >= 0, fresh_drift[np.maximum(which, 0)], self.drift)
+        near_width = min(cfg.level_window, held)
+        near = rolling_median(v[held - near_width : -1], near_width)
+        level = near
+        span = min(self._long_window, held)
+        if span > cfg.level_window:  # a short dip does not drag the level a spike is judged on
+            long = rolling_median(v[held - span : -1], span) + drift * self._long_shift
+            level = np.maximum(near, long)
+        last = math.nan if self.last is None else self.last
+        diffs = losses - np.concatenate(([last], losses[:-1])) - drift
+        start = short[0] * short[0] if self.noise_var is None else self.noise_var
+        noise_var = warm_ema(0.5 * diffs * diffs, start, self.noise_count, cfg.noise_horizon)
+        sigma = np.maximum(short, np.sqrt(noise_var[:-1]))
+        jump = losses - level
+        # the noise's own deviations, from the near level, for its tails: the z of a baseline
+        # step, and how far below where the drift has taken the level by now it is
+        dev = losses - near
+        with np.errstate(divide="ignore", invalid="ignore"):
+            z = np.where(sigma > 0, jump / sigma, np.where(jump > 0, np.inf, 0.0))
+            z_noise = np.where(sigma > 0, dev / sigma, np.where(dev > 0, np.inf, 0.0))
+            below = np.where(sigma > 0, (dev - self._lag * drift) / sigma, 0.0)
+            ratio = np.where(base_mean > 0, losses / base_mean, np.nan)
+        return _Measures(
+            losses, base_mean, short, drift, level, noise_var, sigma, jump, z, z_noise, below, ratio
+        )
+
+    def _rules(
+        self, m: _Measures, tail: float, reach: float
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """Which steps pass the z-score rule, the ratio rule, and the persistence threshold (a
+        spike once it holds `persist_steps`), with the tail factor and reach in force; and the z
+        threshold."""
+        cfg = self.config
+        threshold = max(cfg.z_threshold, reach)
+        big = m.jump > cfg.min_rel_jump * np.abs(m.level)
+        z_rule = (m.z > threshold) & big
+        ratio_rule = (
+            (m.base_mean > 0)
+            & (m.losses > cfg.ratio_threshold * m.base_mean)
+            & (m.z > cfg.ratio_min_z)
+        )
+        elevated = (m.z > cfg.persist_z * tail) & big
+        return z_rule, ratio_rule, elevated, threshold
 
     @property
     def _long_window(self) -> int:
@@ -456,10 +492,12 @@ class LossSpikeDetector(Detector):
     ) -> None:
         """Add a non-spike step to the baseline and to the long-run noise and tail estimates."""
         if self.last is not None and self.noise_var is not None:
-            self.noise_count += 1
-            a = max(1.0 / self.config.noise_horizon, 1.0 / self.noise_count)
             d = loss - self.last - self.drift
-            self.noise_var = (1 - a) * self.noise_var + a * 0.5 * d * d
+            noise_var = warm_ema(
+                np.array([0.5 * d * d]), self.noise_var, self.noise_count, self.config.noise_horizon
+            )
+            self.noise_var = float(noise_var[1])
+            self.noise_count += 1
         self.last = loss
         self.window.append(loss)
         if grad_norm is not None and math.isfinite(grad_norm):
