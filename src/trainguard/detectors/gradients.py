@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from trainguard.config import GradExplosionConfig, GradSpikeConfig, VanishingConfig
 from trainguard.detectors.base import Detector, MetricPoint, SpikeRun, StateParts, fmt
@@ -17,6 +16,7 @@ from trainguard.detectors.series import (
     first_true,
     rolling_median,
     stop_at,
+    windows_of,
 )
 from trainguard.detectors.stats import MAD_TO_SIGMA, median
 from trainguard.events import Event, Severity
@@ -203,7 +203,7 @@ class GradSpikeDetector(Detector):
         limit = np.full(hi - lo, np.nan)
         high = np.flatnonzero(ratios > cfg.ratio_threshold)
         if len(high):
-            rows = sliding_window_view(held[:-1], width)[lo + high]
+            rows = windows_of(held[:-1], width)[lo + high]
             limit[high] = self._limits(np.log(np.maximum(rows, LOG_FLOOR)))
         over_ratio = ratios > limit
         if cfg.abs_limit is None:
@@ -360,7 +360,7 @@ class GradExplosionDetector(Detector):
         v = np.concatenate((np.asarray(self.history, dtype=np.float64), g))
         growing = np.zeros(len(g), dtype=bool)
         if len(v) >= n:
-            rows = sliding_window_view(v, n)  # row r ends at v[r + n - 1]
+            rows = windows_of(v, n)  # row r ends at v[r + n - 1]
             with np.errstate(divide="ignore", invalid="ignore"):
                 ok = (
                     np.all(np.diff(rows, axis=1) > 0, axis=1)

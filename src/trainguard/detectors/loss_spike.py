@@ -10,7 +10,6 @@ from statistics import NormalDist
 from typing import Any
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from trainguard.config import LossSpikeConfig
 from trainguard.detectors.base import Detector, MetricPoint, SpikeRun, fmt
@@ -23,6 +22,7 @@ from trainguard.detectors.series import (
     stop_at,
     trailing_means,
     warm_ema,
+    windows_of,
 )
 from trainguard.detectors.stats import (
     detrended,
@@ -381,7 +381,7 @@ class LossSpikeDetector(Detector):
         short = np.full(m, self.short)
         drift = np.full(m, self.drift)
         if len(refresh):
-            rows = sliding_window_view(v[:-1], held)[refresh]
+            rows = windows_of(v[:-1], held)[refresh]
             fresh, fresh_drift = noise_sigmas(rows)
             spread, near_spread = _bounded_spread(rows)
             raised = np.minimum(spread, near_spread) > SPREAD_MIN * fresh  # both spans agree

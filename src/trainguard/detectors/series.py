@@ -107,6 +107,14 @@ def trailing_means(values: np.ndarray, held: int, window: int) -> np.ndarray:
     return out
 
 
+def windows_of(values: np.ndarray, width: int) -> np.ndarray:
+    """Each run of `width` consecutive values, a row each (a view); one window, the live case,
+    without the cost of a strided view."""
+    if len(values) == width:
+        return values[None, :]
+    return sliding_window_view(values, width)
+
+
 def rolling_median(values: np.ndarray, width: int) -> np.ndarray:
     """Median of each run of `width` consecutive values (exact: a selection, not an estimate)."""
     if width == 5:  # the default level window: a min/max network, no sort
@@ -119,8 +127,7 @@ def rolling_median(values: np.ndarray, width: int) -> np.ndarray:
         fast = _pandas_rolling_median(values, width)
         if fast is not None:
             return fast
-    windows = sliding_window_view(values, width)
-    out: np.ndarray = np.median(windows, axis=1)
+    out: np.ndarray = np.median(windows_of(values, width), axis=1)
     return out
 
 
