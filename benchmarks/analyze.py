@@ -1,7 +1,8 @@
 """Speed of `trainguard analyze` on a 1,000,000-step log, side by side with a straightforward
 pandas-rolling implementation of the same z-score and ratio rules, and the step-by-step path.
 
-Run: `.venv/bin/python benchmarks/analyze.py` (writes the "Analyze speed" section of RESULTS.md).
+Run: `.venv/bin/python benchmarks/analyze.py` (writes the "Analyze speed" section of RESULTS.md;
+`--no-write` prints only, `--big-gb 0 --step-by-step 10000` for a quick look).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def main() -> None:
     parser.add_argument(
         "--big-gb", type=float, default=2.0, help="size of the large-file check (0 skips it)"
     )
+    parser.add_argument("--no-write", action="store_true", help="Print only; leave RESULTS.md.")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "run.csv"
@@ -160,6 +162,8 @@ def main() -> None:
         lines.append("\n" + big_file(args.big_gb))
     body = "\n".join(lines)
     print(body)
+    if args.no_write:
+        return
     write_section("analyze", "Analyze speed", body, "python benchmarks/analyze.py")
 
 
