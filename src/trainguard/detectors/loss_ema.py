@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 from typing import ClassVar
 
+import numpy as np
+
 from trainguard.config import AlertsConfig
 from trainguard.detectors.base import Detector, MetricPoint, fmt
-from trainguard.detectors.series import MetricSeries
+from trainguard.detectors.series import MetricSeries, ema, first_true, stop_at
 from trainguard.events import SEVERITY_RANK, Event
 
 KIND = "loss_above_ema"
@@ -37,36 +39,45 @@ class LossEmaDetector(Detector):
         self.ema: float | None = None
         self.seen = 0
 
+    def _emas(self, losses: np.ndarray) -> np.ndarray:
+        """The EMA before each of `losses` (finite ones) and after the last: NaN while none."""
+        if self.ema is not None:
+            return ema(losses, self.ema, self.alpha)
+        if len(losses) == 0:
+            return np.full(1, np.nan)
+        return np.concatenate(([np.nan], ema(losses[1:], float(losses[0]), self.alpha)))
+
+    def _over(self, losses: np.ndarray, emas: np.ndarray) -> np.ndarray:
+        """The rule, once for both paths: a loss over `ratio` x the EMA before it, from the
+        `WARMUP + 1`-th finite loss on."""
+        seen_before = self.seen + np.arange(len(losses))
+        with np.errstate(invalid="ignore"):
+            return (seen_before >= WARMUP) & (losses > self.ratio * emas[:-1])
+
     def update(self, point: MetricPoint) -> list[Event]:
-        loss = point.loss
-        if not math.isfinite(loss):
+        if not math.isfinite(point.loss):
             return []
+        losses = np.array([point.loss])
+        emas = self._emas(losses)
+        over = bool(self._over(losses, emas)[0])
+        before, self.ema = self.ema, float(emas[-1])
         self.seen += 1
-        events: list[Event] = []
-        ema = self.ema
-        if ema is not None and self.seen > WARMUP and loss > self.ratio * ema:
-            events.append(
-                self.event(
-                    point,
-                    "info",
-                    f"loss {fmt(loss)} is over {self.ratio:g} x its EMA {fmt(ema)}",
-                    {"loss": loss, "ema": ema, "ratio": self.ratio},
-                )
-            )
-        self.ema = loss if ema is None else (1 - self.alpha) * ema + self.alpha * loss
-        return events
+        if not over or before is None:
+            return []
+        loss = point.loss
+        message = f"loss {fmt(loss)} is over {self.ratio:g} x its EMA {fmt(before)}"
+        return [
+            self.event(point, "info", message, {"loss": loss, "ema": before, "ratio": self.ratio})
+        ]
 
     def advance(self, series: MetricSeries, start: int) -> int:
-        """The same arithmetic as `update` over the chunk, up to the first step it raises at."""
-        end = series.chunk_end(start)
-        ema, seen, a, ratio = self.ema, self.seen, self.alpha, self.ratio
-        i = start
-        for loss in series.loss[start:end].tolist():
-            if math.isfinite(loss):
-                if ema is not None and seen + 1 > WARMUP and loss > ratio * ema:
-                    break
-                seen += 1
-                ema = loss if ema is None else (1 - a) * ema + a * loss
-            i += 1
-        self.ema, self.seen = ema, seen
-        return i
+        idx, losses = series.finite_losses(start)
+        if len(losses) == 0:
+            return series.chunk_end(start)
+        emas = self._emas(losses)
+        first = first_true(self._over(losses, emas))
+        f = len(losses) if first is None else first
+        if f > 0:
+            self.ema = float(emas[f])
+            self.seen += f
+        return stop_at(idx, first, series, start)
