@@ -795,7 +795,7 @@ def test_a_registered_detector_runs_live_and_in_bulk(monkeypatch):
     from trainguard.detectors import register_detector, suite
 
     builtin = [type(d) for d in DetectorSuite(tg.GuardConfig()).detectors]
-    monkeypatch.setattr(suite, "_FACTORIES", list(suite._FACTORIES))
+    monkeypatch.setattr(suite, "_REGISTRY", list(suite._REGISTRY))
     assert register_detector(LossOverFive) is LossOverFive
     detectors = DetectorSuite(tg.GuardConfig()).detectors
     assert [type(d) for d in detectors] == [*builtin, LossOverFive]  # the built-ins keep order

@@ -3,12 +3,15 @@
 import json
 from importlib import resources
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import trainguard as tg
 from trainguard.actions.user_actions import unregister_action
+from trainguard.detectors import unregister_detector
+from trainguard.detectors.series import MetricSeries
 from trainguard.events import EVENT_KINDS, EventKind, events_schema_kind, known_kinds
 from trainguard.policy import StepPolicy
 from trainguard.sinks import Sink
@@ -155,3 +158,56 @@ def test_a_failing_sink_is_said_once_and_dropped_and_the_run_goes_on(tmp_path, c
     assert broken.calls == 1 and broken not in monitor.sinks
     assert capsys.readouterr().err.count("_BrokenSink failed (OSError: the dashboard is down)") == 1
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 50
+
+
+PLATEAU = tg.register_event_kind("mylab.loss_plateau", "no new best loss for `patience` steps")
+
+
+class LossPlateau(tg.Detector):
+    """docs/guide/extending.md's example detector, as written there."""
+
+    name = "mylab_plateau"
+    _state = ("best", "since")
+
+    def __init__(self, patience: int = 500) -> None:
+        self.patience, self.best, self.since = patience, float("inf"), 0
+
+    def update(self, point: tg.MetricPoint) -> list[tg.Event]:
+        if point.loss < self.best:
+            self.best, self.since = point.loss, 0
+            return []
+        self.since += 1
+        if self.since != self.patience:
+            return []
+        message = f"no new best loss ({self.best:.4g}) for {self.patience} steps"
+        return [self.event(point, "warning", message, {"best": self.best}, kind=PLATEAU)]
+
+
+def _plateaued_losses(steps: int = 1500) -> list[float]:
+    """A loss that falls for 600 steps and then only wanders above its best."""
+    rng = torch.Generator().manual_seed(0)
+    noise = torch.rand(steps, generator=rng).tolist()
+    return [
+        3.0 - 2.0 * min(s, 600) / 600 + (0.05 + 0.01 * n if s > 600 else 0.0)
+        for s, n in zip(range(steps), noise, strict=True)
+    ]
+
+
+def test_a_registered_detector_runs_live_in_analyze_and_drives_a_halt(tmp_path):
+    tg.register_detector(LossPlateau)
+    try:
+        losses = _plateaued_losses()
+        config = tg.GuardConfig(console=False, policy={"halt_on": [PLATEAU]})
+        monitor = tg.Monitor(config, run_dir=tmp_path)
+        decisions = [monitor.observe(step, loss=loss) for step, loss in enumerate(losses)]
+        monitor.close()
+        (halted,) = [d for d in decisions if d.action == "halt"]
+        assert halted.step == 600 + 500 and halted.events[0].kind == PLATEAU
+        found = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == PLATEAU]
+        assert [e["step"] for e in found] == [1100] and found[0]["action"] == "halt"
+        series = MetricSeries(np.arange(len(losses)), np.asarray(losses))
+        bulk = [e for e in tg.DetectorSuite(tg.GuardConfig()).run(series) if e.kind == PLATEAU]
+        assert [e.step for e in bulk] == [1100]
+    finally:
+        unregister_detector(LossPlateau)
+    assert not any(isinstance(d, LossPlateau) for d in tg.DetectorSuite().detectors)

@@ -11,7 +11,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from trainguard.config import GuardConfig
-from trainguard.detectors import DetectorSuite, MetricPoint
+from trainguard.detectors import Detector, DetectorSuite, MetricPoint, register_detector
 from trainguard.events import (
     ConfigError,
     Decision,
@@ -57,6 +57,7 @@ __all__ = [
     "ActionTarget",
     "ConfigError",
     "Decision",
+    "Detector",
     "DetectorSuite",
     "Event",
     "EventKind",
@@ -73,6 +74,7 @@ __all__ = [
     "__version__",
     "lint",
     "register_action",
+    "register_detector",
     "register_event_kind",
     "scan",
     "trace_nonfinite",

@@ -9,7 +9,7 @@ from trainguard.detectors.gradients import (
 from trainguard.detectors.health import HealthThresholdDetector
 from trainguard.detectors.loss_spike import LossSpikeDetector
 from trainguard.detectors.nonfinite import NonFiniteDetector
-from trainguard.detectors.suite import DetectorSuite, register_detector
+from trainguard.detectors.suite import DetectorSuite, register_detector, unregister_detector
 from trainguard.detectors.trends import DivergenceDetector, OscillationDetector, StallDetector
 from trainguard.detectors.weights import WeightJumpDetector
 
@@ -28,4 +28,5 @@ __all__ = [
     "VanishingGradientDetector",
     "WeightJumpDetector",
     "register_detector",
+    "unregister_detector",
 ]

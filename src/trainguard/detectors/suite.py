@@ -27,7 +27,7 @@ from trainguard.events import Event
 DetectorFactory = Callable[[GuardConfig], Detector | None]
 """Builds a detector from a run's config, or None where the config leaves it off."""
 
-_FACTORIES: list[DetectorFactory] = []
+_REGISTRY: list[tuple[Any, DetectorFactory]] = []  # (what was registered, its factory)
 
 Registered = TypeVar("Registered", bound="type[Detector] | DetectorFactory")
 
@@ -38,10 +38,18 @@ def register_detector(factory: Registered) -> Registered:
     taking the `GuardConfig`. Returns it unchanged."""
     if isinstance(factory, type):
         detector_class: type[Detector] = factory
-        _FACTORIES.append(lambda _config: detector_class())
+        _REGISTRY.append((factory, lambda _config: detector_class()))
     else:
-        _FACTORIES.append(factory)
+        _REGISTRY.append((factory, factory))
     return factory
+
+
+def unregister_detector(factory: type[Detector] | DetectorFactory) -> None:
+    """Remove what `register_detector` added (the same class or factory); nothing if absent."""
+    for i, (registered, _) in enumerate(_REGISTRY):
+        if registered is factory:
+            del _REGISTRY[i]
+            return
 
 
 def _enabled(build: Callable[[GuardConfig], Detector], on: Callable[[GuardConfig], bool]) -> None:
@@ -71,7 +79,7 @@ class DetectorSuite:
 
     def __init__(self, config: GuardConfig | None = None) -> None:
         cfg = config or GuardConfig()
-        built = (factory(cfg) for factory in _FACTORIES)
+        built = (factory(cfg) for _, factory in _REGISTRY)
         self.detectors: list[Detector] = [d for d in built if d is not None]
 
     def update(self, point: MetricPoint) -> list[Event]:
