@@ -211,3 +211,54 @@ def test_a_registered_detector_runs_live_in_analyze_and_drives_a_halt(tmp_path):
     finally:
         unregister_detector(LossPlateau)
     assert not any(isinstance(d, LossPlateau) for d in tg.DetectorSuite().detectors)
+
+
+def test_a_confirmed_toxic_batch_without_ids_is_said_not_silently_kept(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = [(torch.randn(32, 10), torch.randn(32, 1)) for _ in range(200)]
+    data[150] = (data[150][0], 1000.0 * data[150][1])  # toxic targets: no ids to name them by
+    with tg.Guard(model, optimizer, config=tg.GuardConfig(console=False), run_dir=tmp_path) as g:
+        for x, y in g.batches(data):
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            g.step(loss)
+            optimizer.zero_grad(set_to_none=True)
+    events = read_jsonl(tmp_path / "events.jsonl")
+    spike = next(e for e in events if e["kind"] == "loss_spike")
+    assert spike["step"] == 150 and spike["action"] == "skip"
+    (unnamed,) = [e for e in events if e["kind"] == "quarantine"]
+    assert unnamed["severity"] == "warning" and unnamed["metrics"]["unnamed"] is True
+    assert "has no ids" in unnamed["message"] and unnamed["metrics"]["spike_step"] == 150
+    assert not (tmp_path / "quarantine.jsonl").exists()
+
+
+def test_an_unregistered_kind_from_a_users_detector_is_one_clear_error():
+    class Typo(tg.Detector):
+        name = "typo"
+
+        def update(self, point):
+            return [self.event(point, "warning", "x", {}, kind="mylab.never_registered")]
+
+    tg.register_detector(Typo)
+    try:
+        monitor = tg.Monitor(tg.GuardConfig(console=False))
+        with pytest.raises(tg.TrainguardError, match=r"register_event_kind\('mylab\.never_reg"):
+            monitor.observe(0, loss=1.0)
+        monitor.close()
+    finally:
+        unregister_detector(Typo)
+
+
+def test_a_detector_class_that_wants_arguments_says_to_register_a_factory():
+    class NeedsConfig(tg.Detector):
+        def __init__(self, config):
+            self.config = config
+
+    tg.register_detector(NeedsConfig)
+    try:
+        with pytest.raises(tg.TrainguardError, match="register a factory instead"):
+            tg.DetectorSuite()
+    finally:
+        unregister_detector(NeedsConfig)

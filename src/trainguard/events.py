@@ -54,6 +54,7 @@ class EventKind(str, Enum):
 
 
 EVENT_KINDS: tuple[str, ...] = tuple(kind.value for kind in EventKind)
+_builtin_kinds = frozenset(EVENT_KINDS)
 CUSTOM_KIND = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")  # "mylab.loss_plateau"
 _custom_kinds: dict[str, str] = {}
 
@@ -68,6 +69,17 @@ def register_event_kind(name: str, description: str) -> str:
         )
     _custom_kinds[name] = description
     return name
+
+
+def check_kind(kind: str) -> None:
+    """Raise a one-line `TrainguardError` for an event kind nobody registered."""
+    if kind not in _builtin_kinds and kind not in _custom_kinds:
+        name = kind if CUSTOM_KIND.match(kind) else f"mylab.{kind}"
+        raise TrainguardError(
+            f"event kind {kind!r} is neither trainguard's nor registered: a detector or action of "
+            f"yours raised it; register it first with trainguard.register_event_kind({name!r}, "
+            "'what it means')"
+        )
 
 
 def known_kinds() -> tuple[str, ...]:

@@ -14,7 +14,7 @@ from trainguard.config import GuardConfig
 from trainguard.detectors import DetectorSuite, MetricPoint
 from trainguard.distributed import RankContext
 from trainguard.enrichment import EventEnricher
-from trainguard.events import Decision, Event, EventKind, TrainingHalted
+from trainguard.events import Decision, Event, EventKind, TrainingHalted, check_kind
 from trainguard.policy import StepPolicy
 from trainguard.recorder import Recorder
 from trainguard.signals.gradients import StepSignals
@@ -94,6 +94,8 @@ class Monitor:
     ) -> tuple[Decision, list[Event]]:
         """Detect, decide, enrich and record: the policy's decision and its events enriched."""
         events = self.detectors.update(point)
+        for event in events:
+            check_kind(event.kind)
         decision = self.policy.decide(point, events, can_roll_back)
         enriched = self.enricher.enrich(decision.events, batch_ids, group_report)
         for event in enriched:
@@ -103,6 +105,8 @@ class Monitor:
 
     def _publish(self, events: Sequence[Event]) -> list[Event]:
         """Enrich and record events that actions or diagnosis reported; the enriched ones."""
+        for event in events:
+            check_kind(event.kind)
         enriched = self.enricher.enrich(events)
         for event in enriched:
             self.recorder.emit(event)

@@ -60,6 +60,7 @@ class Recovery:
         self.last_incident = -(10**9)
         self.step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self.snapshot_seconds: float | None = None  # what the last snapshot took
+        self.unnamed_suspects: deque[int] = deque(maxlen=64)  # suspects without ids to name them
         self.policy.recovery = self.config
 
     def size_to_data(self, batches: GuardedBatches) -> None:
@@ -356,13 +357,13 @@ class Recovery:
             ids = list(batch_ids) if batch_ids is not None else None
             if ids is None and self.batches is not None:
                 ids = self.batches.current_ids
+            samples = [plain_id(i) for i in sample_ids] if sample_ids is not None else None
+            if not ids and not samples:
+                self.unnamed_suspects.append(decision.step)
             self.quarantine.suspect(
-                decision.step,
-                decision.reason,
-                loss,
-                [plain_id(i) for i in ids] if ids else None,
-                [plain_id(i) for i in sample_ids] if sample_ids is not None else None,
-            )
+                decision.step, decision.reason, loss, [plain_id(i) for i in ids] if ids else None,
+                samples,
+            )  # fmt: skip
         events: list[Event] = []
         if decision.quarantine_step is not None:
             spike = decision.quarantine_step
@@ -371,6 +372,8 @@ class Recovery:
             )
             if record is not None:
                 events.append(_quarantine_event(decision, spike, record, released=False))
+            elif spike in self.unnamed_suspects:
+                events.append(_unnamed_event(decision, spike))
         if decision.release_step is not None:
             spike = decision.release_step
             record = self.quarantine.release(
@@ -416,6 +419,21 @@ def _quarantine_event(
         severity="info",
         message=message,
         metrics={"spike_step": spike, "released": released, "ids": ids[:MAX_BATCH_IDS]},
+        action=decision.action,
+    )
+
+
+def _unnamed_event(decision: Decision, spike: int) -> Event:
+    """A confirmed toxic batch that carries no ids, so that nothing can keep it out."""
+    return Event(
+        step=decision.step,
+        kind=EventKind.QUARANTINE,
+        severity="warning",
+        message=(
+            f"the batch of step {spike} was confirmed as toxic data but has no ids, so it cannot "
+            "be quarantined: pass batch_ids= to guard.step, or ids= to guard.batches"
+        ),
+        metrics={"spike_step": spike, "released": False, "ids": [], "unnamed": True},
         action=decision.action,
     )
 

@@ -22,7 +22,7 @@ from trainguard.detectors.routing import RoutingCollapseDetector
 from trainguard.detectors.series import MAX_SPAN, MIN_SPAN, MetricSeries
 from trainguard.detectors.trends import DivergenceDetector, OscillationDetector, StallDetector
 from trainguard.detectors.weights import WeightJumpDetector
-from trainguard.events import Event
+from trainguard.events import Event, TrainguardError
 
 DetectorFactory = Callable[[GuardConfig], Detector | None]
 """Builds a detector from a run's config, or None where the config leaves it off."""
@@ -52,6 +52,18 @@ def unregister_detector(factory: type[Detector] | DetectorFactory) -> None:
             return
 
 
+def _build(registered: Any, factory: DetectorFactory, config: GuardConfig) -> Detector | None:
+    try:
+        return factory(config)
+    except TypeError as exc:  # a class whose constructor wants arguments, most often
+        name = getattr(registered, "__name__", repr(registered))
+        raise TrainguardError(
+            f"the registered detector {name} could not be built ({exc}): a class is built with "
+            "no arguments; register a factory instead, such as lambda config: "
+            f"{name}(...)"
+        ) from None
+
+
 def _enabled(build: Callable[[GuardConfig], Detector], on: Callable[[GuardConfig], bool]) -> None:
     """Register a built-in detector that its config section switches on and off."""
     register_detector(lambda cfg: build(cfg) if on(cfg) else None)
@@ -79,7 +91,7 @@ class DetectorSuite:
 
     def __init__(self, config: GuardConfig | None = None) -> None:
         cfg = config or GuardConfig()
-        built = (factory(cfg) for _, factory in _REGISTRY)
+        built = (_build(registered, factory, cfg) for registered, factory in _REGISTRY)
         self.detectors: list[Detector] = [d for d in built if d is not None]
 
     def update(self, point: MetricPoint) -> list[Event]:
