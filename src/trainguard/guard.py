@@ -30,9 +30,9 @@ from trainguard.diagnosis.step_diagnosis import StepDiagnosis
 from trainguard.distributed import LocalGradNorm, StepExchange, local_grad_norm_hook
 from trainguard.events import Decision, Event, EventKind, TrainguardError
 from trainguard.moe.routing import RoutingStats
-from trainguard.monitor import Monitor, action_counts
+from trainguard.monitor import Monitor
 from trainguard.policy import StepPolicy
-from trainguard.recorder import report
+from trainguard.recorder import action_counts, report
 from trainguard.recovery import Recovery
 from trainguard.signals import GradientStats, StepSignals
 from trainguard.sinks import Sink
@@ -428,6 +428,8 @@ class Guard(Monitor):
                 OptimizerActions(self.optimizer).load_state_dict(state["actions"])
             self.recovery.read_state(state)
             action_counts(state)
+            if state.get("diagnosis") is not None:
+                int(state["diagnosis"].get("last_trace", 0))
             data = plain["data"]
             if data is not None:
                 int(data["position"])
@@ -466,8 +468,9 @@ class Guard(Monitor):
             "actions": actions.state_dict() if actions is not None else None,
             "last_incident": recovery["last_incident"],
             "positions": recovery["positions"],
-            "action_counts": dict(self.action_counts),
+            **self.recorder.state_dict(),
             "quarantine_suspects": self.quarantine.state_dict(),
+            "diagnosis": self._training.diagnosis.state_dict() if self._training else None,
             "user_actions": {a.name: a.state_dict() for a in self.user_actions},
         }
 
@@ -480,6 +483,8 @@ class Guard(Monitor):
             actions.load_state_dict(state["actions"])
         self.recovery.load_state_dict(state)
         self.quarantine.load_state_dict(state.get("quarantine_suspects", []))
+        if self._training is not None and state.get("diagnosis") is not None:
+            self._training.diagnosis.load_state_dict(state["diagnosis"])
         saved = state.get("user_actions", {})
         for action in self.user_actions:
             if action.name in saved:

@@ -169,14 +169,14 @@ class Monitor:
             "global_step": self.global_step,
             "detectors": self.detectors.state_dict(),
             "policy": self.policy.state_dict(),
-            "action_counts": dict(self.action_counts),
+            **self.recorder.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.global_step = int(state["global_step"])
         self.detectors.load_state_dict(state["detectors"])
         self.policy.load_state_dict(state["policy"])
-        self.action_counts.update(action_counts(state))
+        self.recorder.load_state_dict(state)
 
     def close(self) -> None:
         """Record a `run_closed` event, flush and close every sink and release the run folder;
@@ -216,8 +216,3 @@ class Monitor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def action_counts(state: dict[str, Any]) -> dict[str, int]:
-    """The action counts of a guard state (raises when malformed)."""
-    return {str(k): int(v) for k, v in state.get("action_counts", {}).items()}

@@ -133,6 +133,15 @@ class Recorder:
                     self._drop(sink, exc)
         return record
 
+    def state_dict(self) -> dict[str, Any]:
+        """The counts of actions and event kinds recorded so far."""
+        return {"action_counts": dict(self.action_counts), "event_counts": dict(self.event_counts)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.action_counts.update(action_counts(state))
+        events = state.get("event_counts", {})
+        self.event_counts.update({str(k): int(v) for k, v in events.items()})
+
     def close(self, then: Callable[[], None] | None = None) -> None:
         """Close every sink and then what `then` closes, and unlock the run folder last."""
         try:
@@ -143,6 +152,11 @@ class Recorder:
         finally:
             if self.run_lock is not None:
                 self.run_lock.release()
+
+
+def action_counts(state: dict[str, Any]) -> dict[str, int]:
+    """The action counts of a guard state (raises when malformed)."""
+    return {str(k): int(v) for k, v in state.get("action_counts", {}).items()}
 
 
 def report(message: str) -> None:

@@ -47,6 +47,13 @@ class StepDiagnosis:
         self.replay_rng: dict[str, Any] | None = rng_state()  # where the next forward starts
         self.last_trace = -(10**9)
 
+    def state_dict(self) -> dict[str, Any]:
+        """When the last replay ran (`diagnosis.trace_every` counts from it)."""
+        return {"last_trace": self.last_trace}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_trace = int(state.get("last_trace", self.last_trace))
+
     def lint(self, model: nn.Module, scheduler: Any, scaler: Any) -> list[Event]:
         """Check the set-up once, before the first step, with `scheduler`'s LR schedule; each
         finding is an info event."""
