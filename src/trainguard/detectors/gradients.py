@@ -356,8 +356,9 @@ class GradExplosionDetector(Detector):
         `growth_steps` rises by `growth_factor` in all, and whether it passes `abs_limit`."""
         cfg = self.config
         n = cfg.growth_steps + 1
-        held = len(self.history)
-        v = np.concatenate((np.asarray(self.history, dtype=np.float64), g))
+        kept = list(self.history)[-(n - 1) :] if n > 1 else []  # the rows that end at g need these
+        held = len(kept)
+        v = np.concatenate((np.asarray(kept, dtype=np.float64), g))
         growing = np.zeros(len(g), dtype=bool)
         if len(v) >= n:
             rows = windows_of(v, n)  # row r ends at v[r + n - 1]

@@ -376,11 +376,10 @@ class LossSpikeDetector(Detector):
         m, held = len(losses), len(self.window)
         v = np.concatenate((np.asarray(self.window, dtype=np.float64), losses))
         base_mean = trailing_means(v, held, held)
-        ages = self.noise_age + np.arange(m)
-        refresh = np.flatnonzero(ages % NOISE_EVERY == 0)
-        short = np.full(m, self.short)
-        drift = np.full(m, self.drift)
-        if len(refresh):
+        refresh = np.arange(-self.noise_age % NOISE_EVERY, m, NOISE_EVERY)  # ages at 0 mod it
+        if not len(refresh):
+            short, drift = np.full(m, self.short), np.full(m, self.drift)
+        else:
             rows = windows_of(v[:-1], held)[refresh]
             fresh, fresh_drift = noise_sigmas(rows)
             spread, near_spread = _bounded_spread(rows)
@@ -408,8 +407,7 @@ class LossSpikeDetector(Detector):
         # step, and how far below where the drift has taken the level by now it is
         dev = losses - near
         with np.errstate(divide="ignore", invalid="ignore"):
-            z = np.where(sigma > 0, jump / sigma, np.where(jump > 0, np.inf, 0.0))
-            z_noise = np.where(sigma > 0, dev / sigma, np.where(dev > 0, np.inf, 0.0))
+            z, z_noise = _over_noise(jump, sigma), _over_noise(dev, sigma)
             below = np.where(sigma > 0, (dev - self._lag * drift) / sigma, 0.0)
             ratio = np.where(base_mean > 0, losses / base_mean, np.nan)
         return _Measures(
@@ -658,6 +656,16 @@ class LossSpikeDetector(Detector):
             type=new,
             confidence=confidence,
         )
+
+
+def _over_noise(deviation: np.ndarray, sigma: np.ndarray) -> np.ndarray:
+    """Deviations in noise deviations; with no noise, infinite above and 0 otherwise."""
+    positive = sigma > 0
+    if positive.all():  # a noise everywhere: the plain quotient
+        quotient: np.ndarray = deviation / sigma
+        return quotient
+    out: np.ndarray = np.where(positive, deviation / sigma, np.where(deviation > 0, np.inf, 0.0))
+    return out
 
 
 def _bounded_spread(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -3,6 +3,7 @@ their per-step figures with, on a chunk of one step (`update`) or many (`advance
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -99,6 +100,10 @@ def first_true(mask: np.ndarray) -> int | None:
 def trailing_means(values: np.ndarray, held: int, window: int) -> np.ndarray:
     """Mean of the (up to) `window` values before each new value, where `values` starts with the
     `held` values already in a detector's window."""
+    if len(values) == held + 1:  # one new value, the live case: one sum, no prefix sums
+        first = max(held - window, 0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.array([np.sum(values[first:held]) / (held - first)], dtype=np.float64)
     sums = np.concatenate(([0.0], np.cumsum(values)))
     hi = np.arange(held, len(values))
     lo = np.maximum(hi - window, 0)
@@ -117,6 +122,8 @@ def windows_of(values: np.ndarray, width: int) -> np.ndarray:
 
 def rolling_median(values: np.ndarray, width: int) -> np.ndarray:
     """Median of each run of `width` consecutive values (exact: a selection, not an estimate)."""
+    if len(values) == width:  # one window, the live case: a sort of plain floats
+        return np.array([_median_of(values.tolist())], dtype=np.float64)
     if width == 5:  # the default level window: a min/max network, no sort
         a, b, c, d, e = (values[i : len(values) - 4 + i] for i in range(5))
         lo = np.maximum(np.minimum(a, b), np.minimum(c, d))
@@ -129,6 +136,15 @@ def rolling_median(values: np.ndarray, width: int) -> np.ndarray:
             return fast
     out: np.ndarray = np.median(windows_of(values, width), axis=1)
     return out
+
+
+def _median_of(values: list[float]) -> float:
+    """The median of plain floats as `np.median` gives it (NaN where any value is NaN)."""
+    if math.isnan(sum(values)) and any(v != v for v in values):  # NaN: the sum tells cheaply
+        return math.nan
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else 0.5 * (s[mid - 1] + s[mid])
 
 
 PANDAS_FROM = 64  # windows in a row from which pandas' rolling median (a skip list) pays off
@@ -177,6 +193,8 @@ def ema(x: np.ndarray, start: float, alpha: float) -> np.ndarray:
     """y[0] = start, y[k+1] = (1 - alpha) y[k] + alpha x[k], vectorised in blocks short enough
     that the powers of (1 - alpha) stay well inside float range."""
     beta = 1.0 - alpha
+    if len(x) == 1:  # one value, the live case: one multiply-add
+        return np.array([start, beta * start + alpha * float(x[0])], dtype=np.float64)
     block = max(1, min(4096, int(math.log(1e6) / -math.log(beta)))) if beta > 0 else 1
     out = np.empty(len(x) + 1)
     out[0] = start
@@ -195,6 +213,8 @@ def ema(x: np.ndarray, start: float, alpha: float) -> np.ndarray:
 def warm_ema(x: np.ndarray, start: float, count: int, horizon: int) -> np.ndarray:
     """The running mean of the first values, then an EMA over `horizon`: y[k+1] = y[k] + a (x[k]
     - y[k]) with a = max(1 / horizon, 1 / n), n counting the values (`count` seen before)."""
+    if len(x) == 1 and count < horizon:  # one value while warming: the running mean
+        return np.array([start, (count * start + float(x[0])) / (count + 1)], dtype=np.float64)
     out = np.empty(len(x) + 1)
     out[0] = start
     warm = min(len(x), max(horizon - count, 0))
@@ -214,10 +234,27 @@ def spread_sigmas(rows: np.ndarray) -> np.ndarray:
     n = rows.shape[1]
     if n < 8:
         return np.zeros(len(rows))
-    t = np.linspace(-1.0, 1.0, n)
-    basis = np.vstack((np.ones(n), t, t * t)).T
-    residuals = rows - (rows @ np.linalg.pinv(basis).T) @ basis.T
-    centre = np.median(residuals, axis=1, keepdims=True)
-    mad = np.median(np.abs(residuals - centre), axis=1)
+    residuals = quadratic_residuals(rows)
+    centre = _median_rows(residuals)
+    mad = _median_rows(np.abs(residuals - centre))[:, 0]
     out: np.ndarray = 1.4826 * mad * math.sqrt(n / (n - 3))
     return out
+
+
+def quadratic_residuals(rows: np.ndarray) -> np.ndarray:
+    """Each row less its least-squares quadratic over t in [-1, 1]."""
+    fit, basis_t = _quadratic_fit(rows.shape[1])
+    out: np.ndarray = rows - (rows @ fit) @ basis_t
+    return out
+
+
+@functools.cache
+def _quadratic_fit(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The transposed pseudo-inverse of the quadratic design matrix over `n` points and the
+    transposed matrix itself, computed once a length."""
+    t = np.linspace(-1.0, 1.0, n)
+    basis = np.vstack((np.ones(n), t, t * t)).T
+    fit, basis_t = np.linalg.pinv(basis).T, basis.T.copy()
+    fit.flags.writeable = False
+    basis_t.flags.writeable = False
+    return fit, basis_t
