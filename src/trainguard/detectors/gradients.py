@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -401,7 +400,7 @@ class VanishingGradientDetector(Detector):
         self.loss: float | None = None  # the latest finite loss
 
     def update(self, point: MetricPoint) -> list[Event]:
-        self._follow_loss([point.loss])
+        self._follow_loss(np.array([point.loss], dtype=np.float64))
         groups = point.group_grad_norms
         if not groups or not point.grads_finite:
             return []
@@ -441,15 +440,15 @@ class VanishingGradientDetector(Detector):
             return [self.event(point, "info", message, {"groups": newly, "figures": details})]
         return [self.event(point, "warning", message, {"groups": newly, "figures": details})]
 
-    def _follow_loss(self, losses: Sequence[float]) -> None:
+    def _follow_loss(self, losses: np.ndarray) -> None:
         """The latest finite loss, and the median of the first `reference_steps` ones."""
-        finite = [float(x) for x in losses if math.isfinite(x)]
-        if not finite:
+        finite = losses[np.isfinite(losses)]
+        if not len(finite):
             return
-        self.loss = finite[-1]
+        self.loss = float(finite[-1])
         if self.loss_reference is None:
             need = self.config.reference_steps - len(self.early_losses)
-            self.early_losses.extend(finite[:need])
+            self.early_losses.extend(finite[:need].tolist())
             if len(self.early_losses) >= self.config.reference_steps:
                 self.loss_reference = median(self.early_losses)
                 self.early_losses = []
@@ -457,5 +456,5 @@ class VanishingGradientDetector(Detector):
     def advance(self, series: MetricSeries, start: int) -> int:
         if series.has_groups:
             return start
-        self._follow_loss(series.loss[start:].tolist())  # no groups: nothing can vanish
+        self._follow_loss(series.loss[start:])  # no groups: nothing can vanish
         return len(series)
