@@ -248,7 +248,10 @@ class GradSpikeDetector(Detector):
 
     def _add(self, bins: np.ndarray) -> None:
         """Add counts to the histogram; at FORGET_AT counts the old ones halve."""
-        self.excess_hist += np.bincount(bins, minlength=EXCESS_BINS)
+        if len(bins) == 1:  # one count, the live case: no histogram of zeros to add
+            self.excess_hist[bins[0]] += 1.0
+        else:
+            self.excess_hist += np.bincount(bins, minlength=EXCESS_BINS)
         self.excess_total += len(bins)
         if self.excess_total >= FORGET_AT:
             self.excess_hist /= 2

@@ -346,13 +346,11 @@ class OscillationDetector(Detector):
         none found before: every `check_every` steps once the window is full and no cooldown
         from the last swing is left."""
         cfg = self.config
-        k = np.arange(m)
-        cooled = self.cooldown - (k + 1) <= 0
-        full = len(self.window) + k + 1 >= cfg.window
-        due = np.flatnonzero(full & cooled & (self.since_check + k + 1 >= cfg.check_every))
-        if not len(due):
-            return due
-        return np.arange(int(due[0]), m, cfg.check_every)
+        # the first k (0-based) with the cooldown out, the window full and `check_every` since
+        cooled = self.cooldown - 1
+        full = cfg.window - len(self.window) - 1
+        due = cfg.check_every - self.since_check - 1
+        return np.arange(max(cooled, full, due, 0), m, cfg.check_every)
 
     def _tick(self, losses: np.ndarray, checks: np.ndarray) -> None:
         """Take finite losses into the window and count them down to the next check."""
