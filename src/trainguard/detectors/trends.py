@@ -12,7 +12,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from trainguard.config import DivergenceConfig, OscillationConfig, StallConfig
 from trainguard.detectors.base import Blocks, Detector, MetricPoint, fmt
-from trainguard.detectors.series import MetricSeries, first_true, stop_at
+from trainguard.detectors.series import MetricSeries, first_true, quadratic_residuals, stop_at
 from trainguard.detectors.stats import (
     MAD_TO_SIGMA,
     WARM_RESTART,
@@ -367,9 +367,7 @@ class OscillationDetector(Detector):
         none); with `stop`, the windows after the first swing are left unread (None)."""
         cfg = self.config
         n = windows.shape[1]
-        t = np.linspace(-1.0, 1.0, n)
-        basis = np.vstack((np.ones(n), t, t * t)).T
-        residuals = windows - (windows @ np.linalg.pinv(basis).T) @ basis.T
+        residuals = quadratic_residuals(windows)
         half = n // 2
         early = np.sqrt(np.mean(residuals[:, :half] ** 2, axis=1))
         late = np.sqrt(np.mean(residuals[:, half:] ** 2, axis=1))
