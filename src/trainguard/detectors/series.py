@@ -102,8 +102,8 @@ def trailing_means(values: np.ndarray, held: int, window: int) -> np.ndarray:
     `held` values already in a detector's window."""
     if len(values) == held + 1:  # one new value, the live case: one sum, no prefix sums
         first = max(held - window, 0)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.array([np.sum(values[first:held]) / (held - first)], dtype=np.float64)
+        total = float(np.sum(values[first:held]))
+        return np.array([total / (held - first) if held > first else math.nan], dtype=np.float64)
     sums = np.concatenate(([0.0], np.cumsum(values)))
     hi = np.arange(held, len(values))
     lo = np.maximum(hi - window, 0)
