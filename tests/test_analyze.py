@@ -366,7 +366,7 @@ def test_a_guarded_runs_own_files_show_its_nan_and_rollback(tmp_path):
         e["kind"] for e in report["events"] if e["source"] == "run"
     }
     text = run(str(tmp_path / "metrics.jsonl"))
-    assert text.returncode == 1 and "abandoned by a rollback" in text.stdout
+    assert text.returncode == 1 and "undone by a rollback, or replaced on a restart" in text.stdout
 
 
 def test_steps_a_rollback_abandoned_stay_visible(tmp_path):

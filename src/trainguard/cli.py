@@ -197,7 +197,7 @@ def _show_analysis(path: Path, data: LogData, result: Analysis) -> None:
         f"{s[key]} {what}"
         for key, what in (
             ("nonfinite_steps", "with a NaN/Inf loss"),
-            ("abandoned_steps", "abandoned by a rollback"),
+            ("abandoned_steps", "abandoned (undone by a rollback, or replaced on a restart)"),
             ("recorded_events", "events recorded by the run"),
         )
         if s[key]
