@@ -44,7 +44,7 @@ class SyncEmaOnRollback(tg.GuardAction):
 def _registered_for_each_test():
     assert tg.register_action(SyncEmaOnRollback) is SyncEmaOnRollback  # a class decorator too
     yield
-    unregister_action("sync_ema")
+    unregister_action(SyncEmaOnRollback)
 
 
 def _regression_with_a_weight_write(run_dir, steps=120, write_at=60):
@@ -262,3 +262,18 @@ def test_a_detector_class_that_wants_arguments_says_to_register_a_factory():
             tg.DetectorSuite()
     finally:
         unregister_detector(NeedsConfig)
+
+
+def test_two_action_factories_both_run_and_each_unregisters_alone():
+    from trainguard.actions.user_actions import build_actions
+
+    first, second = (lambda _config: SyncEmaOnRollback()), (lambda _config: SyncEmaOnRollback())
+    tg.register_action(first)
+    tg.register_action(second)
+    try:
+        assert len(build_actions(tg.GuardConfig())) == 3  # the fixture's class and these two
+        unregister_action(first)
+        assert len(build_actions(tg.GuardConfig())) == 2
+    finally:
+        unregister_action(first)
+        unregister_action(second)

@@ -460,14 +460,12 @@ class Guard(Monitor):
         """Detector, policy, action and recovery state with the step counter: plain data, safe
         to checkpoint."""
         actions = self.recovery.actions
-        recovery = self.recovery.state_dict()
         return {
             "global_step": self.global_step,
             "detectors": self.detectors.state_dict(),
             "policy": self.policy.state_dict(),
             "actions": actions.state_dict() if actions is not None else None,
-            "last_incident": recovery["last_incident"],
-            "positions": recovery["positions"],
+            **self.recovery.state_dict(),  # the last incident and the data positions
             **self.recorder.state_dict(),
             "quarantine_suspects": self.quarantine.state_dict(),
             "diagnosis": self._training.diagnosis.state_dict() if self._training else None,

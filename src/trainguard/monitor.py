@@ -94,20 +94,21 @@ class Monitor:
     ) -> tuple[Decision, list[Event]]:
         """Detect, decide, enrich and record: the policy's decision and its events enriched."""
         events = self.detectors.update(point)
-        for event in events:
-            check_kind(event.kind)
         decision = self.policy.decide(point, events, can_roll_back)
-        enriched = self.enricher.enrich(decision.events, batch_ids, group_report)
-        for event in enriched:
-            self.recorder.emit(event)
+        enriched = self._publish(decision.events, batch_ids, group_report)
         self.recorder.action_counts[decision.action] += 1
         return decision, enriched
 
-    def _publish(self, events: Sequence[Event]) -> list[Event]:
-        """Enrich and record events that actions or diagnosis reported; the enriched ones."""
+    def _publish(
+        self,
+        events: Sequence[Event],
+        batch_ids: Iterable[Any] | None = None,
+        group_report: Callable[[], dict[str, Any]] | None = None,
+    ) -> list[Event]:
+        """Check each event's kind, enrich and record the events; the enriched ones."""
         for event in events:
             check_kind(event.kind)
-        enriched = self.enricher.enrich(events)
+        enriched = self.enricher.enrich(events, batch_ids, group_report)
         for event in enriched:
             self.recorder.emit(event)
         return enriched

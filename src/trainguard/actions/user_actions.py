@@ -50,7 +50,7 @@ class GuardAction:
 
 
 ActionFactory = Callable[[GuardConfig], GuardAction]
-_registered: dict[str, ActionFactory] = {}
+_REGISTRY: list[tuple[Any, ActionFactory]] = []  # (what was registered, its factory)
 
 
 def register_action(factory: type[GuardAction] | ActionFactory) -> Any:
@@ -62,22 +62,23 @@ def register_action(factory: type[GuardAction] | ActionFactory) -> Any:
                 f"{factory.__name__} is not a trainguard.GuardAction: subclass it to register it"
             )
         cls = factory
-        name = cls.name
-        _registered[name] = lambda _config: cls()
+        _REGISTRY.append((factory, lambda _config: cls()))
     else:
-        name = getattr(factory, "__name__", repr(factory))
-        _registered[name] = factory
+        _REGISTRY.append((factory, factory))
     return factory
 
 
-def unregister_action(name: str) -> None:
-    """Forget a registered action (by its `name`, or its factory function's)."""
-    _registered.pop(name, None)
+def unregister_action(factory: type[GuardAction] | ActionFactory) -> None:
+    """Remove what `register_action` added (the same class or factory); nothing if absent."""
+    for i, (registered, _) in enumerate(_REGISTRY):
+        if registered is factory:
+            del _REGISTRY[i]
+            return
 
 
 def build_actions(config: GuardConfig) -> list[GuardAction]:
     """One instance of every registered action, in the order they were registered."""
-    actions = [factory(config) for factory in _registered.values()]
+    actions = [factory(config) for _, factory in _REGISTRY]
     for action in actions:
         if not isinstance(action, GuardAction):
             raise TrainguardError(
