@@ -267,6 +267,56 @@ def fsdp_checkpoint(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {"first": first, "second": second, "start": start}
 
 
+def replica_job(
+    rank: int, world: int, out: Path, steps: int, tamper: tuple[int, int] | None
+) -> dict[str, Any]:
+    """DDP with Adam, the replicas checked every 5 steps; with `tamper` (rank, step), that
+    rank adds 1e-6 to one weight after that step (a bit flip, a bad write)."""
+    import hashlib
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, data = model_and_data(rank, steps)
+    ddp = DDP(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    config = {"console": False, "replicas": {"every": 5}, "recovery": {"snapshot_every": 4}}
+    guard = tg.Guard(ddp, opt, config=tg.GuardConfig.from_dict(config), run_dir=out)
+    actions, halted = [], None
+    try:
+        for x, y in guard.batches(data):
+            loss = nn.functional.mse_loss(ddp(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            decision = guard.step(loss)
+            actions.append([decision.step, decision.action])
+            if tamper == (rank, decision.step):
+                with torch.no_grad():
+                    model[0].weight[3, 5] += 1e-6
+    except tg.TrainingHalted as exc:
+        halted = exc.diagnosis
+    guard.close()
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().numpy().tobytes())
+        for value in opt.state[p].values():
+            digest.update(value.numpy().tobytes())
+    assert guard.replicas is not None
+    return {
+        "actions": actions,
+        "halted": halted,
+        "digest": digest.hexdigest(),
+        "checks": guard.replicas.calls,
+    }
+
+
+def replicas_three(rank: int, world: int, out: Path) -> dict[str, Any]:
+    return replica_job(rank, world, out, 30, tamper=(2, 12))
+
+
+def replicas_two(rank: int, world: int, out: Path) -> dict[str, Any]:
+    return replica_job(rank, world, out, 30, tamper=(1, 7))
+
+
 SCENARIOS = {
     "fsdp_checkpoint": fsdp_checkpoint,
     "nan_on_rank1": nan_on_rank1,
@@ -276,4 +326,6 @@ SCENARIOS = {
     "sdc": sdc,
     "sdc_reference": sdc_reference,
     "fsdp_norm": fsdp_norm,
+    "replicas_three": replicas_three,
+    "replicas_two": replicas_two,
 }

@@ -289,6 +289,21 @@ class StragglerConfig(_Section):
     windows: int = Field(3, ge=1, description="Slow windows in a row before it is reported.")
 
 
+class ReplicasConfig(_Section):
+    """Data-parallel replicas that must hold bit-identical weights: a fingerprint of each layer
+    group's parameters compared across the data-parallel group every `every` steps; a rank whose
+    weights differ from the majority's is given a copy of an agreeing replica, and with no
+    majority the run halts."""
+
+    every: int = Field(
+        100,
+        ge=0,
+        description="Steps between checks (one all-reduce of 4 numbers a layer group, and one "
+        "host transfer); 0 turns them off. Off where the parameters are sharded, not replicated "
+        "(FSDP2).",
+    )
+
+
 AlertChannel = Literal["webhook", "email", "console"]
 REMOTE_CHANNELS: tuple[AlertChannel, ...] = ("webhook", "email")
 MASK = "**********"  # how a secret is written out
@@ -621,6 +636,7 @@ class GuardConfig(_Section):
     health: HealthConfig = Field(default_factory=HealthConfig)
     ranks: RanksConfig = Field(default_factory=RanksConfig)
     straggler: StragglerConfig = Field(default_factory=StragglerConfig)
+    replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)

@@ -35,12 +35,14 @@ class EventKind(str, Enum):
     HEALTH = "health"
     RANK_OUTLIER = "rank_outlier"
     STRAGGLER = "straggler"
+    REPLICA_DIVERGENCE = "replica_divergence"
     ROUTING_COLLAPSE = "routing_collapse"
     LOSS_ABOVE_EMA = "loss_above_ema"
     LINT = "lint"
     ROLLBACK = "rollback"
     LR_REDUCED = "lr_reduced"
     ROLLBACK_UNAVAILABLE = "rollback_unavailable"
+    REPLICA_RESYNC = "replica_resync"
     DATA_SKIPPED = "data_skipped"
     DATA_EXHAUSTED = "data_exhausted"
     QUARANTINE = "quarantine"
@@ -179,6 +181,9 @@ class Decision:
     quarantine_step: int | None = None  # the follow-up confirmed this step's batch: quarantine
     release_step: int | None = None  # this step's spike was re-typed: its batch is released
     unrolled_incident: int | None = None  # no snapshot before this incident: LR cut instead
+    resync_from: int | None = None  # the rank whose replica the divergent ranks are given
+    resync_ranks: list[int] = field(default_factory=list)  # the ranks whose replicas diverged
+    agreed_step: int | None = None  # the last check where every replica agreed
 
     @property
     def quarantine(self) -> bool:

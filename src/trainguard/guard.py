@@ -4,6 +4,7 @@ records, through named components that each own one concern."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from trainguard.actions.checkpoint_files import DamagedCheckpoint
 from trainguard.actions.checkpoints import CheckpointStore, check_rng
 from trainguard.actions.data import GuardedBatches, default_batch_ids
 from trainguard.actions.quarantine import Quarantine
+from trainguard.actions.replicas import ReplicaResync
 from trainguard.actions.snapshots import SnapshotRing
 from trainguard.actions.user_actions import ActionTarget, build_actions, run_actions
 from trainguard.checkpointing import Checkpointing
@@ -28,6 +30,7 @@ from trainguard.detectors.ranks import RankOutlierDetector
 from trainguard.diagnosis.lint import Finding
 from trainguard.diagnosis.step_diagnosis import StepDiagnosis
 from trainguard.distributed import LocalGradNorm, StepExchange, local_grad_norm_hook
+from trainguard.distributed.replicas import ReplicaFingerprint
 from trainguard.events import Decision, Event, EventKind, TrainguardError
 from trainguard.moe.routing import RoutingStats
 from trainguard.monitor import Monitor
@@ -98,6 +101,10 @@ class Guard(Monitor):
         if self.ranks is not None and isinstance(model, DistributedDataParallel):
             self._local_norm = LocalGradNorm(self.ranks.group)
             model.register_comm_hook(self._local_norm, local_grad_norm_hook)
+        self.replicas: ReplicaFingerprint | None = None
+        self._resync: ReplicaResync | None = None
+        if self.ranks is not None and model is not None and optimizer is not None:
+            self._watch_replicas(model, optimizer)
         actions = (
             OptimizerActions(optimizer, scheduler, scaler, cfg.max_grad_norm)
             if optimizer is not None
@@ -132,6 +139,21 @@ class Guard(Monitor):
             linted = lint_scheduler if lint_scheduler is not None else scheduler
             self._publish(self._training.diagnosis.lint(model, linted, scaler))
             self.findings = self._training.diagnosis.findings
+
+    def _watch_replicas(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Compare the data-parallel replicas every `replicas.every` steps, and give a diverged
+        one a copy of an agreeing one: its parameters, its buffers where DDP broadcasts them,
+        and the optimizer's state unless the optimizer shards it."""
+        assert self.ranks is not None
+        fingerprint = ReplicaFingerprint(
+            model, self.ranks, self.config.group_patterns, self.config.replicas.every
+        )
+        if not fingerprint.enabled:
+            return
+        self.replicas = fingerprint
+        buffers = isinstance(model, DistributedDataParallel) and bool(model.broadcast_buffers)
+        sharded = _shards_state(optimizer)
+        self._resync = ReplicaResync(fingerprint, model, None if sharded else optimizer, buffers)
 
     def _open_files(self) -> None:
         rank = self.ranks.rank if self.ranks is not None else None
@@ -193,6 +215,8 @@ class Guard(Monitor):
         parts.actions.clip(parts.stats.params, measurement.total_norm)
         signals = parts.stats.resolve(measurement)
         point = _point_from_signals(step, signals)
+        if self.replicas is not None and self.replicas.due(step):  # a collective, all ranks
+            point.replica_classes = self.replicas.compare()
         if routing is not None:
             point.routing = routing.to_point()
         if self.exchange is not None:
@@ -223,6 +247,9 @@ class Guard(Monitor):
         else:
             parts.stats.discard_update()
             parts.actions.skip()
+            if decision.resync_from is not None and self._resync is not None:
+                dropped = self.recovery.set_aside_after(decision.agreed_step)
+                events += self._publish(self._resync.apply(decision, dropped))
             if decision.action == "rollback":
                 if self.checkpointing is not None:
                     self.checkpointing.protect_last_good()
@@ -491,6 +518,13 @@ class Guard(Monitor):
     def _before_close(self) -> None:
         if self.checkpointing is not None:
             self.checkpointing.wait()
+
+
+def _shards_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer keeps only this rank's part of its state (torch's
+    ZeroRedundancyOptimizer; looked up only where loaded, as its import warns)."""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer)
 
 
 def _version() -> str:

@@ -155,6 +155,14 @@ class Recovery:
         )
         self.snapshot_seconds = time.perf_counter() - started
 
+    def set_aside_after(self, step: int | None) -> list[int]:
+        """Drop the snapshots taken after `step` (every one with None), which may hold a replica
+        that diverged since; the steps of those dropped."""
+        limit = -1 if step is None else step
+        dropped = [s.step for s in self.ring.snapshots if s.step > limit]
+        self.ring.drop_after(limit)
+        return dropped
+
     # -- rollback -----------------------------------------------------------------------------
     def roll_back(self, decision: Decision) -> tuple[int, list[Event]]:
         """Restore the snapshot the ring holds for the incident (never one inside it), and skip

@@ -36,6 +36,9 @@ class MetricPoint:
     rank_step_times: list[float] | None = None  # data wait + compute up to the first reduction
     rank_data_waits: list[float] | None = None
     routing: dict[str, float] | None = None  # a MoE router's health (`RoutingStats.to_point`)
+    # a replica check's outcome: None where none was made, {} where every replica agreed, else
+    # per layer group where they differ each rank's class (ranks of one class hold equal weights)
+    replica_classes: dict[str, list[int]] | None = None
 
     @property
     def loss_finite(self) -> bool:

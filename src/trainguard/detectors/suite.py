@@ -18,6 +18,7 @@ from trainguard.detectors.loss_ema import LossEmaDetector, loss_ema_routed
 from trainguard.detectors.loss_spike import LossSpikeDetector
 from trainguard.detectors.nonfinite import NonFiniteDetector
 from trainguard.detectors.ranks import RankOutlierDetector, StragglerDetector
+from trainguard.detectors.replicas import ReplicaDivergenceDetector
 from trainguard.detectors.routing import RoutingCollapseDetector
 from trainguard.detectors.series import MAX_SPAN, MIN_SPAN, MetricSeries
 from trainguard.detectors.trends import DivergenceDetector, OscillationDetector, StallDetector
@@ -81,6 +82,7 @@ _enabled(lambda c: OscillationDetector(c.oscillation), lambda c: c.oscillation.e
 _enabled(lambda c: HealthThresholdDetector(c.health), lambda c: c.health.enabled)
 _enabled(lambda c: RankOutlierDetector(c.ranks), lambda c: c.ranks.enabled)
 _enabled(lambda c: StragglerDetector(c.straggler), lambda c: c.straggler.enabled)
+_enabled(lambda c: ReplicaDivergenceDetector(), lambda c: c.replicas.every > 0)
 _enabled(lambda c: RoutingCollapseDetector(c.routing), lambda c: c.routing.enabled)
 _enabled(lambda c: LossEmaDetector(c.alerts), lambda c: loss_ema_routed(c.alerts))
 

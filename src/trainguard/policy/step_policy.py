@@ -119,6 +119,9 @@ class StepPolicy:
         halting = [e for e in events if e.kind in cfg.halt_on]
         if halting:  # the user's halt list wins over every other rule
             return self._halt(point, events, f"{halting[0].kind}: {halting[0].message}")
+        diverged = [e for e in events if e.kind == EventKind.REPLICA_DIVERGENCE]
+        if diverged:  # every later rule would act on replicas that no longer agree
+            return self._replicas(point, events, diverged[0])
         if nonfinite:
             self.consecutive_nonfinite += 1
             self.nonfinite_steps.append(step)
@@ -177,6 +180,32 @@ class StepPolicy:
             )
         self.consecutive_skips = 0
         return self._decide(point, events, "step", "")
+
+    def _replicas(self, point: MetricPoint, events: list[Event], event: Event) -> Decision:
+        """Diverged replicas: skip the step (its gradients came in part from them) and give the
+        diverged ranks a copy of the `source` replica, which agrees with the majority; with no
+        such replica, or with recovery off, halt with the diagnosis."""
+        source = event.metrics.get("source")
+        agreed = event.metrics.get("last_agreed_step")
+        if source is None or not self.recovery.enabled:
+            why = (
+                "recovery is off (recovery.enabled), so no replica is copied over the others"
+                if source is not None
+                else "no replica agrees with a majority of the others in every layer group, so "
+                "none can be trusted to copy from: resume every rank from a checkpoint taken "
+                + (f"at or before step {agreed}" if agreed is not None else "before it")
+                + " and look for the rank's faulty device, or the misconfigured parallelism"
+            )
+            return self._halt(point, events, f"{event.message}; {why}")
+        ranks = [int(r) for r in event.metrics.get("ranks", [])]
+        shown = ", ".join(map(str, ranks))
+        decision = self._decide(
+            point, events, "skip", f"replica divergence: rank {shown} given rank {source}'s copy"
+        )
+        decision.resync_from = int(source)
+        decision.resync_ranks = ranks
+        decision.agreed_step = None if agreed is None else int(agreed)
+        return decision
 
     # -- recovery ---------------------------------------------------------------------------------
     def _recovery(
