@@ -29,16 +29,18 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
 
 
-@pytest.mark.parametrize("chunk", [replicas_module.CHUNK, 100])  # one chunk a tensor, or many
+@pytest.mark.parametrize("chunk", [replicas_module.CHUNK, 2 * 16])  # one chunk a tensor, or many
 def test_the_fingerprint_sees_a_1e_minus_6_nudge_and_a_swap_in_the_group_they_hit(
     monkeypatch, chunk
 ):
     monkeypatch.setattr(replicas_module, "CHUNK", chunk)
+    monkeypatch.setattr(replicas_module, "WIDTH", 16 if chunk < 100 else replicas_module.WIDTH)
     model = _model()
     fingerprint = _fingerprint(model)
     assert fingerprint.groups.group_names == ["0", "2"]
     clean = fingerprint.local()
-    assert clean.dtype == torch.float64 and clean.shape == (2, 2)
+    assert clean.dtype == torch.int64 and clean.shape == (2, 2)
+    assert clean.tolist() == [_by_hand(model[0]), _by_hand(model[2])]  # exact, in any chunks
     assert torch.equal(_fingerprint(_model()).local(), clean)  # equal weights, equal bits
     with torch.no_grad():
         model[0].weight[40, 7] += 1e-6
@@ -49,10 +51,26 @@ def test_the_fingerprint_sees_a_1e_minus_6_nudge_and_a_swap_in_the_group_they_hi
         w = model[2].weight.view(-1)  # a swap keeps the sum: the position ramp sees it
         w[3], w[50] = w[50].clone(), w[3].clone()
     swapped = fingerprint.local()
-    assert swapped[1, 0] == pytest.approx(float(clean[1, 0]), abs=1e-12)
+    assert swapped[1, 0] == clean[1, 0]  # the same values: the same plain sum
     assert swapped[1, 1] != clean[1, 1] and torch.equal(swapped[0], clean[0])
+    with torch.no_grad():
+        w[3], w[50] = w[50].clone(), w[3].clone()
+        model[0].bias.view(torch.int32)[9] ^= 1  # the lowest bit of one float
+    flipped = fingerprint.local()
+    assert not torch.equal(flipped[0], clean[0]) and torch.equal(flipped[1], clean[1])
     assert fingerprint.due(10) and fingerprint.due(20) and not fingerprint.due(0)
     assert not fingerprint.due(15)
+
+
+def _by_hand(layer: nn.Module) -> list[int]:
+    """A layer group's fingerprint in Python integers: its parameters' bits as 32-bit words,
+    their sum and their sum weighted by position (from 1), modulo the prime, added up."""
+    total = weighted = 0
+    for p in layer.parameters():
+        words = p.detach().reshape(-1).view(torch.int32).tolist()
+        total += sum(words)
+        weighted += sum((i + 1) * w for i, w in enumerate(words))
+    return [total % replicas_module.PRIME, weighted % replicas_module.PRIME]
 
 
 def _point(step: int, classes: dict[str, list[int]] | None) -> MetricPoint:

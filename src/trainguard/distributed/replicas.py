@@ -13,14 +13,18 @@ from torch.distributed.tensor import DTensor
 from trainguard.distributed.context import RankContext
 from trainguard.signals.layer_groups import LayerGroups
 
-CHUNK = 1 << 22  # elements converted to float64 at a time, which bounds the check's memory
-_RAMP_STEP = 2.0**-22  # the position ramp's slope: exact in float64, so every rank sums alike
+WIDTH = 1 << 10  # words a row: a row's sums stay under 2**53, exact in float64
+CHUNK = 1 << 20  # words widened to float64 at a time, which bounds the check's memory
+PRIME = (1 << 31) - 1  # the sums are kept modulo this prime: exact, and never overflowing
 
 
 class ReplicaFingerprint:
-    """Fingerprints the module's replicated parameters (all but sharded ones) per layer group:
-    the float64 sum of the weights and their sum weighted by position (a permutation moves it),
-    so that a change of one element by 1e-6 shows. `compare` tells where the ranks differ."""
+    """Fingerprints the module's replicated parameters (all but sharded ones) per layer group,
+    from their bits: read as integers w_i (32-bit words; 16- or 8-bit for narrower types), the
+    sum of the w_i and their sum weighted by position (i + 1), both modulo a prime. Integer sums
+    are exact, so every rank gets the same figures whatever its hardware sums in, and any
+    flipped bit moves the first (a change of 1e-6, a NaN), any swap of two values the second.
+    `compare` tells where the ranks differ."""
 
     def __init__(
         self,
@@ -37,7 +41,7 @@ class ReplicaFingerprint:
         self.calls = 0  # collectives made, for tests and benchmarks
         device = self.params[0].device if self.params else torch.device("cpu")
         self._index = torch.tensor(self.groups.index, device=device, dtype=torch.long)
-        self._ramp: torch.Tensor | None = None
+        self._ramp: tuple[torch.Tensor, torch.Tensor] | None = None  # weights, row numbers
 
     @property
     def enabled(self) -> bool:
@@ -50,49 +54,58 @@ class ReplicaFingerprint:
 
     @torch.no_grad()
     def local(self) -> torch.Tensor:
-        """This rank's fingerprint: (layer groups, 2) float64 on the parameters' device."""
-        parts = [self._of(local_tensor(p).detach().reshape(-1)) for p in self.params]
-        per_param = torch.stack(parts)
-        out = torch.zeros(len(self.groups), 2, device=per_param.device, dtype=torch.float64)
-        return out.index_add_(0, self._index.to(per_param.device), per_param)
+        """This rank's fingerprint: (layer groups, 2) int64 in [0, PRIME), on the first
+        parameter's device."""
+        device = self._index.device  # a module may span devices
+        parts = [self._of(_words(local_tensor(p))).to(device) for p in self.params]
+        out = torch.zeros(len(self.groups), 2, device=device, dtype=torch.int64)
+        return out.index_add_(0, self._index, torch.stack(parts)).remainder_(PRIME)
 
-    def _of(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of `x` and its sum weighted by position i * 2**-22, in float64, a chunk of
-        `CHUNK` elements at a time (chunk k's weights are k + its own ramp)."""
-        ramp = self._ramp
-        if ramp is None or ramp.device != x.device or ramp.numel() < min(CHUNK, x.numel()):
-            longest = max(local_tensor(p).numel() for p in self.params)
-            size = min(CHUNK, max(longest, x.numel()))
-            ramp = torch.arange(size, device=x.device, dtype=torch.float64) * _RAMP_STEP
-            self._ramp = ramp
-        total = torch.zeros((), device=x.device, dtype=torch.float64)
-        weighted = torch.zeros((), device=x.device, dtype=torch.float64)
-        for k, start in enumerate(range(0, x.numel(), CHUNK)):
-            chunk = x[start : start + CHUNK].to(torch.float64)
-            s = chunk.sum()
-            total += s
-            weighted += torch.dot(chunk, ramp[: chunk.numel()]) + k * s
+    def _of(self, words: torch.Tensor) -> torch.Tensor:
+        """[sum of w_i, sum of (i + 1) w_i] modulo PRIME, a chunk of CHUNK words at a time, in
+        rows of WIDTH words: with |w_i| < 2**31 a row's sum (< 2**41) and its sum weighted by
+        the column (< 2**51) are integers that float64 holds exactly, whatever order a matrix
+        product adds them in; the rows' offsets are multiplied in modulo PRIME, in int64."""
+        device = words.device
+        if self._ramp is None or self._ramp[0].device != device:
+            columns = torch.arange(1, WIDTH + 1, device=device, dtype=torch.float64)
+            rows = torch.arange(CHUNK // WIDTH, device=device, dtype=torch.int64)
+            self._ramp = (torch.stack([torch.ones_like(columns), columns], dim=1), rows)
+        weights, rows_per_chunk = self._ramp
+        total = torch.zeros((), device=device, dtype=torch.int64)
+        weighted = torch.zeros((), device=device, dtype=torch.int64)
+        for start in range(0, words.numel(), CHUNK):
+            chunk = words[start : start + CHUNK].to(torch.float64)
+            if chunk.numel() % WIDTH:  # zeros add nothing
+                chunk = torch.nn.functional.pad(chunk, (0, WIDTH - chunk.numel() % WIDTH))
+            sums = (chunk.view(-1, WIDTH) @ weights).to(torch.int64)  # exact integers
+            row_sums, row_weighted = sums[:, 0], sums[:, 1].remainder(PRIME)
+            # row r of the chunk starts at word start + r * WIDTH
+            offsets = (rows_per_chunk[: len(sums)] * WIDTH + start).remainder_(PRIME)
+            shifted = (offsets * row_sums.remainder(PRIME)).remainder_(PRIME)
+            total = (total + row_sums.sum()).remainder_(PRIME)
+            weighted = (weighted + row_weighted.sum() + shifted.sum()).remainder_(PRIME)
         return torch.stack([total, weighted])
 
     @torch.no_grad()
     def compare(self) -> dict[str, list[int]]:
-        """Every rank's fingerprint against the others: {} when all are bit-identical, else for
+        """Every rank's fingerprint against the others: {} when all are identical, else for
         each layer group where they differ, each rank's class (ranks of one class agree,
-        numbered in order of their first rank). One all-reduce (MAX of the fingerprint's bits and
-        their complement: the maximum and the minimum at once) and a transfer of a flag a group;
+        numbered in order of their first rank). One all-reduce (MAX of the fingerprint and of
+        its negation: the maximum and the minimum at once) and a transfer of a flag a group;
         an all-gather of the groups that differ only when some do."""
         ctx = self.ranks
-        bits = self.local().to(ctx.device).view(torch.int64).reshape(-1)  # exact comparison
-        both = torch.cat([bits, ~bits])
+        mine = self.local().to(ctx.device).reshape(-1)
+        both = torch.cat([mine, -mine])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ctx.group)
         self.calls += 1
-        n = bits.numel()
-        highest, lowest = both[:n], ~both[n:]
+        n = mine.numel()
+        highest, lowest = both[:n], -both[n:]
         differs = (highest != lowest).reshape(-1, 2).any(dim=1)
         which: list[int] = differs.nonzero().reshape(-1).tolist()
         if not which:
             return {}
-        picked = bits.reshape(-1, 2)[torch.tensor(which, device=bits.device)].reshape(-1)
+        picked = mine.reshape(-1, 2)[torch.tensor(which, device=mine.device)].reshape(-1)
         out = torch.empty(ctx.world_size * picked.numel(), device=ctx.device, dtype=torch.int64)
         # torch 2.13 renamed all_gather_into_tensor to all_gather_single
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -111,6 +124,14 @@ class ReplicaFingerprint:
 def _replicated(param: torch.Tensor) -> bool:
     """Whether every rank holds the whole parameter (not a shard of it)."""
     return not isinstance(param, DTensor) or all(p.is_replicate() for p in param.placements)
+
+
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as one flat run of integers: 32-bit words, or 16- or 8-bit ones for
+    narrower types."""
+    flat = tensor.detach().reshape(-1)
+    size = flat.element_size()
+    return flat.view(torch.int32 if size >= 4 else torch.int16 if size == 2 else torch.int8)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
