@@ -65,6 +65,7 @@ def test_toxic_batches_on_one_rank_roll_every_rank_back_together(tmp_path):
     assert spike["step"] == 60 and spike["rank"] == 2
     rollback = next(e for e in found if e["kind"] == "rollback")
     assert rollback["metrics"]["to_step"] < 60
+    assert not [e for e in found if e["kind"].startswith("replica")]  # agreed at step 100
 
 
 def test_a_rank_slowed_2x_is_named_a_straggler(tmp_path):
@@ -133,6 +134,7 @@ def test_fsdp2_checkpoints_are_sharded_and_resume_to_the_same_weights(tmp_path):
 
 def test_three_healthy_ranks_of_32_samples_raise_no_rank_outlier(tmp_path):
     launch("clean_small_batches", 3, tmp_path)
+    assert not [e for e in events(tmp_path) if e["kind"].startswith("replica")]  # step 100
     found = [e for e in events(tmp_path) if e["kind"] == "rank_outlier"]
     assert [e for e in found if e["severity"] != "info"] == []
     assert not any(e["metrics"].get("suspect") for e in found)

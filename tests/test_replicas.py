@@ -4,6 +4,8 @@ halt with the diagnosis)."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 from torch import nn
@@ -150,6 +152,7 @@ def test_a_rank_nudged_by_1e_minus_6_is_found_within_one_interval_and_given_a_go
     divergence, resync = found
     assert divergence["rank"] == 2 and divergence["metrics"]["groups"] == {"2": ["module.0"]}
     assert divergence["metrics"]["last_agreed_step"] == 10 and divergence["action"] == "skip"
+    assert divergence["metrics"]["host"] == socket.gethostname()
     assert resync["metrics"]["source"] == 0 and resync["metrics"]["agree"] is True
     assert resync["metrics"]["tensors"] == 16  # 4 parameters and Adam's 3 tensors each
     assert resync["metrics"]["dropped_snapshots"] == [12]

@@ -13,7 +13,14 @@ from trainguard.events import Event, EventKind
 from trainguard.recovery import MAX_BATCH_IDS, plain_id
 
 GROUP_REPORT_KINDS = frozenset({EventKind.GRAD_SPIKE, EventKind.GRAD_EXPLOSION})
-PER_RANK_KINDS = frozenset({EventKind.STRAGGLER, EventKind.RANK_OUTLIER})
+PER_RANK_KINDS = frozenset(
+    {
+        EventKind.STRAGGLER,
+        EventKind.RANK_OUTLIER,
+        EventKind.REPLICA_DIVERGENCE,
+        EventKind.REPLICA_RESYNC,
+    }
+)
 
 
 class EventEnricher:
