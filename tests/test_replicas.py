@@ -12,6 +12,7 @@ from torch import nn
 
 import trainguard as tg
 from test_distributed import events, launch
+from trainguard.analysis.run import load_run
 from trainguard.detectors import DetectorSuite, MetricPoint
 from trainguard.detectors.replicas import ReplicaDivergenceDetector
 from trainguard.distributed import RankContext
@@ -19,6 +20,7 @@ from trainguard.distributed import replicas as replicas_module
 from trainguard.distributed.replicas import ReplicaFingerprint
 from trainguard.events import EventKind
 from trainguard.policy import StepPolicy
+from trainguard.sinks.html_report import write_report
 
 
 def _fingerprint(model: nn.Module) -> ReplicaFingerprint:
@@ -156,6 +158,9 @@ def test_a_rank_nudged_by_1e_minus_6_is_found_within_one_interval_and_given_a_go
     assert resync["metrics"]["source"] == 0 and resync["metrics"]["agree"] is True
     assert resync["metrics"]["tensors"] == 16  # 4 parameters and Adam's 3 tensors each
     assert resync["metrics"]["dropped_snapshots"] == [12]
+    page = write_report(load_run(tmp_path), tmp_path / "report.html").read_text()
+    card = page[page.index('data-kind="replica_divergence"') :]
+    assert "gave rank 2 a copy of rank 0" in card[: card.index("</div>")]  # on its card
 
 
 def test_two_ranks_that_disagree_halt_with_the_diagnosis(tmp_path):

@@ -74,7 +74,8 @@ class ReplicaResync:
         after = self.fingerprint.compare()
         ranks = ", ".join(str(r) for r in decision.resync_ranks)
         ranks = ("rank " if len(decision.resync_ranks) == 1 else "ranks ") + ranks
-        parts = "parameters" + (", buffers" if self.buffers else "")
+        has_buffers = self.buffers and any(True for _ in self.module.buffers())
+        parts = "parameters" + (", buffers" if has_buffers else "")
         parts += " and optimizer state" if self.optimizer is not None else ""
         message = (
             f"gave {ranks} a copy of rank {source}'s {parts} ({len(tensors)} tensors, "

@@ -45,7 +45,15 @@ PANEL_OF = {  # the panel an event kind is drawn on, where the run has it
     "vanishing_gradients": "grad_norm",
     "fp16_overflow": "loss_scale",
 }
-ATTACHED = ("spike_classified", "spike_samples", "nan_origin", "rollback", "lr_reduced")
+ATTACHED = (
+    "spike_classified",
+    "spike_samples",
+    "nan_origin",
+    "rollback",
+    "lr_reduced",
+    "replica_resync",
+)
+ACTS = ("rollback", "lr_reduced", "replica_resync")  # attached kinds that say what was done
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0 auto;max-width:1200px;
 padding:16px 24px;color:#222}
@@ -571,9 +579,7 @@ def _card(
     if diagnosis:
         rows.append(("diagnosis", diagnosis))
     taken = _distinct([str(e.get("action") or "") for e in incident.events])
-    acts = _distinct(
-        [str(r.get("message", "")) for r in related if r["kind"] in ("rollback", "lr_reduced")]
-    )
+    acts = _distinct([str(r.get("message", "")) for r in related if r["kind"] in ACTS])
     if taken or acts:
         rows.append(("action", "<br>".join(esc(a) for a in [", ".join(taken), *acts] if a)))
     rows.append(("outcome", esc(_outcome(record, step, last))))
