@@ -7,7 +7,8 @@ turns with the steps so machine noise falls on both alike:
 - a guarded step: forward, backward, guard.step(loss)
 - a replica check: the float64 fingerprint of every layer group and its all-reduce across the
   ranks (what `replicas.every` adds to one step in that many)
-- a resync: rank 0's parameters and AdamW state broadcast to rank 1, and the check after it
+- a resync: rank 0's parameters and AdamW state broadcast to rank 1 (the guard checks them at
+  the next step, a check like the one above)
 
 Run: python benchmarks/replicas.py [--steps 30] [--no-write]
 """
@@ -101,7 +102,7 @@ def main() -> None:
         f"| guarded DDP step | {ms['step']:.1f} | 1.000 |\n"
         f"| one replica check (fingerprint + all-reduce) | {ms['check']:.2f} | "
         f"{ms['check'] / ms['step']:.4f} |\n"
-        f"| one resync ({ranks[0]['tensors'][0]} tensors broadcast, then a check) | "
+        f"| one resync ({ranks[0]['tensors'][0]} tensors broadcast) | "
         f"{ms['resync']:.1f} | {ms['resync'] / ms['step']:.3f} |\n\n"
         f"At the default `replicas.every` of 100 the check costs "
         f"{100 * ms['check'] / ms['step'] / 100:.3f}% of the training time; the resync only "

@@ -268,10 +268,11 @@ def fsdp_checkpoint(rank: int, world: int, out: Path) -> dict[str, Any]:
 
 
 def replica_job(
-    rank: int, world: int, out: Path, steps: int, tamper: tuple[int, int] | None
+    rank: int, world: int, out: Path, steps: int, tamper: list[tuple[int, int, str]]
 ) -> dict[str, Any]:
-    """DDP with Adam, the replicas checked every 5 steps; with `tamper` (rank, step), that
-    rank adds 1e-6 to one weight after that step (a bit flip, a bad write)."""
+    """DDP with Adam, the replicas checked every 5 steps; for each (rank, step, what) of
+    `tamper`, after that step that rank adds 1e-6 to one weight ("weight": a bit flip, a bad
+    write) or 1e-4 to one of Adam's first moments ("state")."""
     import hashlib
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -289,9 +290,14 @@ def replica_job(
             loss.backward()
             decision = guard.step(loss)
             actions.append([decision.step, decision.action])
-            if tamper == (rank, decision.step):
+            for r, s, what in tamper:
+                if (r, s) != (rank, decision.step):
+                    continue
                 with torch.no_grad():
-                    model[0].weight[3, 5] += 1e-6
+                    if what == "weight":
+                        model[0].weight[3, 5] += 1e-6
+                    else:
+                        opt.state[model[0].weight]["exp_avg"][3, 5] += 1e-4
     except tg.TrainingHalted as exc:
         halted = exc.diagnosis
     guard.close()
@@ -310,11 +316,11 @@ def replica_job(
 
 
 def replicas_three(rank: int, world: int, out: Path) -> dict[str, Any]:
-    return replica_job(rank, world, out, 30, tamper=(2, 12))
+    return replica_job(rank, world, out, 30, tamper=[(2, 12, "weight"), (1, 17, "state")])
 
 
 def replicas_two(rank: int, world: int, out: Path) -> dict[str, Any]:
-    return replica_job(rank, world, out, 30, tamper=(1, 7))
+    return replica_job(rank, world, out, 30, tamper=[(1, 7, "weight")])
 
 
 SCENARIOS = {

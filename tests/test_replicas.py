@@ -129,6 +129,12 @@ def test_the_policy_gives_a_majority_copy_or_halts_with_the_diagnosis():
     assert "at or before step 100" in halted.reason and "no majority" in halted.reason
     off = tg.GuardConfig(recovery={"enabled": False})
     assert _decide({"0": [0, 0, 1]}, off).action == "halt"
+    cfg = tg.GuardConfig()
+    suite, policy = DetectorSuite(cfg), StepPolicy(cfg.policy, cfg.recovery)
+    first, again = _point(200, {"0": [0, 0, 1]}), _point(201, {"0": [0, 0, 1]})
+    assert policy.decide(first, suite.update(first)).resync_from == 0
+    repeat = policy.decide(again, suite.update(again))  # the check right after the copy
+    assert repeat.action == "halt" and "differ again right after" in repeat.reason
     strict = tg.GuardConfig(policy={"halt_on": ["replica_divergence"]})
     assert _decide({"0": [0, 0, 1]}, strict).action == "halt"
     assert not any(
@@ -143,21 +149,31 @@ def test_a_rank_nudged_by_1e_minus_6_is_found_within_one_interval_and_given_a_go
     results = launch("replicas_three", 3, tmp_path)
     for r in results:
         assert r["halted"] is None and len(r["actions"]) == 30  # training went on to the end
-        assert [a for a in r["actions"] if a[1] != "step"] == [[15, "skip"]]
+        assert [a for a in r["actions"] if a[1] != "step"] == [[15, "skip"], [20, "skip"]]
         assert r["digest"] == results[0]["digest"]  # weights and Adam state bit-identical
-        assert r["checks"] == 7  # 5 checks, the gather at 15, the check after the copy
+        # 5 checks, a gather at 15 and 20 where they differed, a check after each copy
+        assert r["checks"] == 9
     found = [e for e in events(tmp_path) if e["kind"].startswith("replica")]
     assert [(e["step"], e["kind"]) for e in found] == [
         (15, "replica_divergence"),
         (15, "replica_resync"),
-    ]  # nudged after step 12, found at the next check; the checks at 5, 10, 20, 25 agreed
-    divergence, resync = found
-    assert divergence["rank"] == 2 and divergence["metrics"]["groups"] == {"2": ["module.0"]}
-    assert divergence["metrics"]["last_agreed_step"] == 10 and divergence["action"] == "skip"
-    assert divergence["metrics"]["host"] == socket.gethostname()
-    assert resync["metrics"]["source"] == 0 and resync["metrics"]["agree"] is True
-    assert resync["metrics"]["tensors"] == 16  # 4 parameters and Adam's 3 tensors each
-    assert resync["metrics"]["dropped_snapshots"] == [12]
+        (20, "replica_divergence"),
+        (20, "replica_resync"),
+    ]  # each found at the next check; the checks at 5, 10, 16, 21 and 25 agreed
+    weight, copy, state, second_copy = found
+    # rank 2's weight, nudged after step 12
+    assert weight["rank"] == 2 and weight["metrics"]["groups"] == {"2": ["module.0"]}
+    assert weight["metrics"]["last_agreed_step"] == 10 and weight["action"] == "skip"
+    assert weight["metrics"]["host"] == socket.gethostname()
+    assert copy["rank"] == 2 and copy["metrics"]["source"] == 0
+    assert copy["metrics"]["tensors"] == 16  # 4 parameters and Adam's 3 tensors each
+    assert copy["metrics"]["dropped_snapshots"] == [12]
+    # rank 1's Adam moment, nudged after step 17, moved its weights at step 18; the check right
+    # after the first copy (16) is the last agreement; the copy includes Adam's state, or rank
+    # 1 would drift again and the digests would differ
+    assert state["rank"] == 1 and state["metrics"]["last_agreed_step"] == 16
+    assert second_copy["metrics"]["source"] == 0 and second_copy["metrics"]["ranks"] == [1]
+    assert second_copy["metrics"]["dropped_snapshots"] == [17]  # taken after the copy at 15
     page = write_report(load_run(tmp_path), tmp_path / "report.html").read_text()
     card = page[page.index('data-kind="replica_divergence"') :]
     assert "gave rank 2 a copy of rank 0" in card[: card.index("</div>")]  # on its card

@@ -103,6 +103,7 @@ class Guard(Monitor):
             model.register_comm_hook(self._local_norm, local_grad_norm_hook)
         self.replicas: ReplicaFingerprint | None = None
         self._resync: ReplicaResync | None = None
+        self._recheck = False  # a resync is checked at the next step
         if self.ranks is not None and model is not None and optimizer is not None:
             self._watch_replicas(model, optimizer)
         actions = (
@@ -215,8 +216,9 @@ class Guard(Monitor):
         parts.actions.clip(parts.stats.params, measurement.total_norm)
         signals = parts.stats.resolve(measurement)
         point = _point_from_signals(step, signals)
-        if self.replicas is not None and self.replicas.due(step):  # a collective, all ranks
-            point.replica_classes = self.replicas.compare()
+        if self.replicas is not None and (self.replicas.due(step) or self._recheck):
+            point.replica_classes = self.replicas.compare()  # a collective, on every rank
+            self._recheck = False
         if routing is not None:
             point.routing = routing.to_point()
         if self.exchange is not None:
@@ -250,6 +252,7 @@ class Guard(Monitor):
             if decision.resync_from is not None and self._resync is not None:
                 dropped = self.recovery.set_aside_after(decision.agreed_step)
                 events += self._publish(self._resync.apply(decision, dropped))
+                self._recheck = True
             if decision.action == "rollback":
                 if self.checkpointing is not None:
                     self.checkpointing.protect_last_good()

@@ -19,8 +19,8 @@ BUCKET_BYTES = 64 << 20  # tensors are broadcast in flat buckets of at most this
 class ReplicaResync:
     """Broadcasts the source rank's replicated state (the parameters the fingerprint covers,
     with `buffers` the module's buffers, and the optimizer's state of those parameters where the
-    optimizer is replicated too, as under DDP) to every rank of the data-parallel group, then
-    checks the replicas agree again."""
+    optimizer is replicated too, as under DDP) to every rank of the data-parallel group; the
+    next step checks the replicas again."""
 
     def __init__(
         self,
@@ -51,9 +51,9 @@ class ReplicaResync:
 
     @torch.no_grad()
     def apply(self, decision: Decision, dropped: list[int]) -> list[Event]:
-        """Copy `decision.resync_from`'s state to every rank (a collective: every rank calls it)
-        and check the replicas agree; the event that says so. `dropped`: the steps of the
-        snapshots set aside because they may hold a diverged replica."""
+        """Copy `decision.resync_from`'s state to every rank (a collective: every rank calls it);
+        the event that says so. `dropped`: the steps of the snapshots set aside because they may
+        hold a diverged replica."""
         source = decision.resync_from
         if source is None:
             return []
@@ -71,7 +71,6 @@ class ReplicaResync:
             for t in bucket:
                 t.copy_(flat[offset : offset + t.numel()].reshape(t.shape))
                 offset += t.numel()
-        after = self.fingerprint.compare()
         ranks = ", ".join(str(r) for r in decision.resync_ranks)
         ranks = ("rank " if len(decision.resync_ranks) == 1 else "ranks ") + ranks
         has_buffers = self.buffers and any(True for _ in self.module.buffers())
@@ -79,14 +78,8 @@ class ReplicaResync:
         parts += " and optimizer state" if self.optimizer is not None else ""
         message = (
             f"gave {ranks} a copy of rank {source}'s {parts} ({len(tensors)} tensors, "
-            f"{size / 2**20:.3g} MiB); "
-            + (
-                "the replicas are bit-identical again (checked)"
-                if not after
-                else f"the replicas still differ in {', '.join(after)}"
-            )
-            + "; this step's update was left out (its gradients came in part from a diverged "
-            "replica)"
+            f"{size / 2**20:.3g} MiB), which the next step checks; this step's update was left "
+            "out (its gradients came in part from a diverged replica)"
         )
         if dropped:
             steps = ", ".join(map(str, dropped))
@@ -97,15 +90,13 @@ class ReplicaResync:
         event = Event(
             step=decision.step,
             kind=EventKind.REPLICA_RESYNC,
-            severity="warning" if not after else "critical",
+            severity="warning",
             message=message,
             metrics={
                 "source": source,
                 "ranks": list(decision.resync_ranks),
                 "tensors": len(tensors),
                 "bytes": size,
-                "agree": not after,
-                "still_differ": after,
                 "dropped_snapshots": dropped,
             },
             action=decision.action,

@@ -49,6 +49,7 @@ class StepPolicy:
         self.unrolled: int | None = None  # the last incident with no rollback target: LR cut
         self._no_target: int | None = None  # this step's incident without a target
         self.restored_to: int | None = None  # the step the last rollback restored
+        self.resynced = False  # the last decision gave diverged replicas a copy
 
     def decide(
         self,
@@ -63,6 +64,7 @@ class StepPolicy:
             can_roll_back if callable(can_roll_back) else (lambda _: bool(can_roll_back))
         )
         decision = self._choose(point, events, has_target)
+        self.resynced = decision.resync_from is not None
         self._judge_suspects(decision, events)
         incident = self._no_target
         if (
@@ -187,6 +189,14 @@ class StepPolicy:
         such replica, or with recovery off, halt with the diagnosis."""
         source = event.metrics.get("source")
         agreed = event.metrics.get("last_agreed_step")
+        if self.resynced:  # checked right after a copy: the copy did not hold
+            return self._halt(
+                point,
+                events,
+                f"{event.message}; the replicas differ again right after the last step gave the "
+                "diverged ranks an agreeing copy, so copying does not repair them: look for a "
+                "faulty device or a misconfigured parallelism",
+            )
         if source is None or not self.recovery.enabled:
             why = (
                 "recovery is off (recovery.enabled), so no replica is copied over the others"
@@ -354,6 +364,7 @@ class StepPolicy:
             "quarantined": list(self.quarantined),
             "unrolled": self.unrolled,
             "restored_to": self.restored_to,
+            "resynced": self.resynced,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -375,3 +386,4 @@ class StepPolicy:
         self.unrolled = None if unrolled is None else int(unrolled)
         restored = state.get("restored_to")
         self.restored_to = None if restored is None else int(restored)
+        self.resynced = bool(state.get("resynced", False))
