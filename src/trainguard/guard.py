@@ -105,7 +105,7 @@ class Guard(Monitor):
         self._resync: ReplicaResync | None = None
         self._recheck = False  # a resync is checked at the next step
         if self.ranks is not None and model is not None and optimizer is not None:
-            self._watch_replicas(model, optimizer)
+            self._watch_replicas(model, None if _shards_state(optimizer) else optimizer)
         actions = (
             OptimizerActions(optimizer, scheduler, scaler, cfg.max_grad_norm)
             if optimizer is not None
@@ -141,10 +141,10 @@ class Guard(Monitor):
             self._publish(self._training.diagnosis.lint(model, linted, scaler))
             self.findings = self._training.diagnosis.findings
 
-    def _watch_replicas(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Compare the data-parallel replicas every `replicas.every` steps, and give a diverged
-        one a copy of an agreeing one: its parameters, its buffers where DDP broadcasts them,
-        and the optimizer's state unless the optimizer shards it."""
+    def _watch_replicas(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Compare the data-parallel replicas of `model` every `replicas.every` steps, and give a
+        diverged one a copy of an agreeing one: its parameters, its buffers where DDP broadcasts
+        them, and `optimizer`'s state (None where the optimizer partitions its state)."""
         assert self.ranks is not None
         fingerprint = ReplicaFingerprint(
             model, self.ranks, self.config.group_patterns, self.config.replicas.every
@@ -153,8 +153,23 @@ class Guard(Monitor):
             return
         self.replicas = fingerprint
         buffers = isinstance(model, DistributedDataParallel) and bool(model.broadcast_buffers)
-        sharded = _shards_state(optimizer)
-        self._resync = ReplicaResync(fingerprint, model, None if sharded else optimizer, buffers)
+        self._resync = ReplicaResync(fingerprint, model, optimizer, buffers)
+
+    def _check_replicas(self, point: MetricPoint) -> None:
+        """On a check's step (or the step after a resync), every rank's replica compared: a
+        collective, made on every rank."""
+        if self.replicas is not None and (self.replicas.due(point.step) or self._recheck):
+            point.replica_classes = self.replicas.compare()
+            self._recheck = False
+
+    def _resync_replicas(self, decision: Decision) -> list[Event]:
+        """Give the diverged replicas the copy the decision names (a collective, made on every
+        rank), and set aside the snapshots that may hold a diverged replica."""
+        if decision.resync_from is None or self._resync is None:
+            return []
+        dropped = self.recovery.set_aside_after(decision.agreed_step)
+        self._recheck = True
+        return self._publish(self._resync.apply(decision, dropped))
 
     def _open_files(self) -> None:
         rank = self.ranks.rank if self.ranks is not None else None
@@ -216,9 +231,7 @@ class Guard(Monitor):
         parts.actions.clip(parts.stats.params, measurement.total_norm)
         signals = parts.stats.resolve(measurement)
         point = _point_from_signals(step, signals)
-        if self.replicas is not None and (self.replicas.due(step) or self._recheck):
-            point.replica_classes = self.replicas.compare()  # a collective, on every rank
-            self._recheck = False
+        self._check_replicas(point)
         if routing is not None:
             point.routing = routing.to_point()
         if self.exchange is not None:
@@ -249,10 +262,7 @@ class Guard(Monitor):
         else:
             parts.stats.discard_update()
             parts.actions.skip()
-            if decision.resync_from is not None and self._resync is not None:
-                dropped = self.recovery.set_aside_after(decision.agreed_step)
-                events += self._publish(self._resync.apply(decision, dropped))
-                self._recheck = True
+            events += self._resync_replicas(decision)
             if decision.action == "rollback":
                 if self.checkpointing is not None:
                     self.checkpointing.protect_last_good()
