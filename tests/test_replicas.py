@@ -192,3 +192,17 @@ def test_two_ranks_that_disagree_halt_with_the_diagnosis(tmp_path):
         (10, "halt"),
     ]
     assert found[0]["metrics"]["ranks"] == [0, 1] and found[0]["metrics"]["source"] is None
+
+
+def test_a_resync_broadcasts_in_buckets_of_one_dtype_and_bounded_size(monkeypatch):
+    from trainguard.actions import replicas as resync_module
+
+    monkeypatch.setattr(resync_module, "BUCKET_BYTES", 100)
+    tensors = [torch.zeros(10), torch.zeros(3, dtype=torch.int64), torch.zeros(20), torch.zeros(5)]
+    buckets = list(resync_module._buckets(tensors))
+    shapes = [[(t.dtype, t.numel()) for t in b] for b in buckets]
+    assert shapes == [  # 40 bytes; 80 more would make 120: a new bucket, which 20 fills to 100
+        [(torch.float32, 10)],
+        [(torch.float32, 20), (torch.float32, 5)],
+        [(torch.int64, 3)],  # another dtype, another bucket
+    ]
