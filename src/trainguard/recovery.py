@@ -11,12 +11,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
 
 from trainguard.actions.data import GuardedBatches, sized_skip
 from trainguard.actions.optimizer_step import OptimizerActions
 from trainguard.actions.quarantine import Quarantine
-from trainguard.actions.snapshots import SnapshotRing, budget_interval
+from trainguard.actions.snapshots import SnapshotRing, Stateful, budget_interval
 from trainguard.config import GuardConfig, RecoveryConfig
 from trainguard.detectors import DetectorSuite
 from trainguard.events import Decision, Event, EventKind
@@ -38,8 +37,8 @@ class Recovery:
         policy: StepPolicy,
         detectors: DetectorSuite,
         quarantine: Quarantine,
-        model: nn.Module | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
+        model: Stateful | None = None,
+        optimizer: Stateful | None = None,
         scheduler: Any = None,
         scaler: Any = None,
         actions: OptimizerActions | None = None,

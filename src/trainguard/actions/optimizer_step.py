@@ -52,9 +52,7 @@ class OptimizerActions:
             # schedule's now, and the cut goes on top of them
             self._schedule_lrs = [g["lr"] for g in self.optimizer.param_groups]
             self._apply_lr_scale()
-        self.optimizer.step()
-        if self.scaler is not None:
-            self.scaler.update()
+        self._apply_update()
         if self._schedule_lrs is None:
             self._step_scheduler(loss)
             return
@@ -63,6 +61,12 @@ class OptimizerActions:
         self._step_scheduler(loss)
         self._schedule_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self._apply_lr_scale()
+
+    def _apply_update(self) -> None:
+        """The update itself: the optimizer's step and the loss-scale update."""
+        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update()
 
     # -- LR cuts ----------------------------------------------------------------------------------
     @property

@@ -7,11 +7,19 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch import nn
+
+
+class Stateful(Protocol):
+    """What a snapshot keeps and puts back: a model, an optimizer, or an adapter for an engine
+    that holds its own state (DeepSpeed's partitions)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
 @dataclass
@@ -133,15 +141,15 @@ class SnapshotRing:
     def take(
         self,
         step: int,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        model: Stateful,
+        optimizer: Stateful,
         scheduler: Any,
         scaler: Any,
         guard_state: dict[str, Any],
         data_position: Any,
         last_warning: int | None = None,
     ) -> Snapshot:
-        pinned = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
+        pinned = torch.cuda.is_available()  # `_to_host` pins only the copies of GPU tensors
         snapshot = Snapshot(
             step=step,
             model=_to_host(model.state_dict(), pinned),
@@ -189,8 +197,8 @@ class SnapshotRing:
     @staticmethod
     def restore(
         snapshot: Snapshot,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        model: Stateful,
+        optimizer: Stateful,
         scheduler: Any,
         scaler: Any,
     ) -> None:

@@ -1,0 +1,85 @@
+"""The DeepSpeed internals the DeepSpeed integration reads, in one place.
+
+DeepSpeed has no public API for this rank's reduced gradient partition before the optimizer
+step, nor for holding one step back; each name used here is pinned by
+`tests/test_deepspeed.py::test_the_private_deepspeed_names_still_exist`, so a DeepSpeed release
+that moves one fails there first. Everything else the integration uses is public: the engine's
+`backward`, `step`, `is_gradient_accumulation_boundary`, `was_step_applied`, `lr_scheduler`,
+`basic_optimizer`, `global_steps`, `save_checkpoint`, `load_checkpoint`, and the ZeRO
+optimizers' `state_dict`, `load_state_dict`, `update_lp_params`, `loss_scale` and checkpoint
+prologue/epilogue, which `engine.load_checkpoint` itself calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# this rank's reduced gradient partition at the accumulation boundary, by param group (ZeRO 1-3)
+GRADIENT_PARTITIONS = "averaged_gradients"
+# the parameters whose partitions those are, by param group: ZeRO-3, then ZeRO-1/2
+PARTITION_PARAMS = ("fp16_groups", "params_in_partition")
+OFFLOAD_FLAGS = ("cpu_offload", "offload_optimizer")  # ZeRO-Offload keeps gradients elsewhere
+DP_GROUP = "dp_process_group"
+
+
+def gradient_partitions(optimizer: Any) -> list[torch.Tensor]:
+    """This rank's gradient partition after the boundary's backward (reduced across the
+    data-parallel ranks, still multiplied by the fp16 loss scale): a flat list of tensors."""
+    groups: dict[int, list[torch.Tensor] | None] = getattr(optimizer, GRADIENT_PARTITIONS)
+    return [t for i in sorted(groups) for t in (groups[i] or ())]
+
+
+def partition_names(optimizer: Any, names: dict[int, str]) -> list[str]:
+    """A name for each tensor of `gradient_partitions`: the parameter's where the partition is
+    one tensor a parameter, else the param group's (ZeRO-1/2 keep one flat partition a group).
+    Per-parameter: for incident steps only."""
+    groups: dict[int, list[torch.Tensor] | None] = getattr(optimizer, GRADIENT_PARTITIONS)
+    params_by_group: list[list[torch.Tensor]] | None = None
+    for attribute in PARTITION_PARAMS:
+        params_by_group = getattr(optimizer, attribute, None)
+        if params_by_group is not None:
+            break
+    out: list[str] = []
+    for i in sorted(groups):
+        tensors = groups[i] or []
+        params = params_by_group[i] if params_by_group is not None else []
+        if len(params) == len(tensors):
+            out.extend(names.get(id(p), f"param_group{i}.{j}") for j, p in enumerate(params))
+        else:
+            out.extend(f"param_group{i}.partition{j}" for j in range(len(tensors)))
+    return out
+
+
+def offloads_optimizer(optimizer: Any) -> bool:
+    """Whether ZeRO-Offload keeps the gradient partitions and optimizer state on the host."""
+    return any(bool(getattr(optimizer, flag, False)) for flag in OFFLOAD_FLAGS)
+
+
+def data_parallel_size(optimizer: Any) -> int:
+    group = getattr(optimizer, DP_GROUP, None)
+    return dist.get_world_size(group=group) if dist.is_initialized() else 1
+
+
+@contextlib.contextmanager
+def update_held(basic_optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside, the engine's `step()` runs all its bookkeeping (gradients released, counters,
+    loss scale) but the basic optimizer leaves this rank's fp32 partition and its state as they
+    were: a skipped step. (An instance attribute shadows the optimizer's `step` for the call.)"""
+
+    def held(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    own = vars(basic_optimizer).get("step")  # a wrapper someone put on this instance
+    basic_optimizer.step = held  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        if own is None:
+            del basic_optimizer.step
+        else:
+            basic_optimizer.step = own  # type: ignore[method-assign]

@@ -1,0 +1,360 @@
+"""`DeepSpeedGuard`: the guard for a `deepspeed.initialize` engine under ZeRO stages 1, 2 and 3,
+in fp32, bf16 or fp16; `guard.step(loss)` takes the place of `engine.step()`.
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    guard = DeepSpeedGuard(engine, run_dir="runs/a")
+    for batch in guard.batches(loader):
+        loss = engine(batch)
+        engine.backward(loss)
+        guard.step(loss)  # measure, decide, then step, skip, roll back or halt
+    guard.close()
+
+Each step at the gradient-accumulation boundary the guard measures this rank's reduced gradient
+partition (one fused norm a partition tensor, on the device), shares its figures in the guard's
+one per-step exchange (so every rank sums the same squared norms and takes the same worst
+non-finite count, and decides alike), then lets the engine step, or runs the engine's step with
+the basic optimizer held (a skip: DeepSpeed releases the gradients and counts the step, nothing
+is updated), or restores an in-memory snapshot of every rank's own partition (a rollback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainguard._torch_private import foreach_norm
+from trainguard.actions.optimizer_step import OptimizerActions
+from trainguard.actions.user_actions import ActionTarget, build_actions, run_actions
+from trainguard.config import GuardConfig
+from trainguard.distributed import StepExchange
+from trainguard.events import Decision, TrainguardError
+from trainguard.guard import Guard, _point_from_signals
+from trainguard.integrations import _deepspeed_private as private
+from trainguard.moe.routing import RoutingStats
+from trainguard.monitor import Monitor
+from trainguard.recovery import Recovery
+from trainguard.signals.gradients import FIRST_NONFINITE, Measurement, StepSignals
+from trainguard.sinks import Sink
+
+_HEAD = 5  # loss, grad norm, non-finite count, loss scale, local non-finite count
+
+
+def check_engine(engine: Any) -> None:
+    """Raise a one-line `TrainguardError` for an engine the guard cannot drive."""
+    try:
+        from deepspeed import DeepSpeedEngine
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+    except ImportError:
+        raise TrainguardError(
+            "DeepSpeedGuard needs DeepSpeed: pip install 'trainguard[deepspeed]'"
+        ) from None
+    if not isinstance(engine, DeepSpeedEngine):
+        raise TrainguardError(
+            f"DeepSpeedGuard needs the engine deepspeed.initialize returns, got "
+            f"{type(engine).__name__}; for a plain model use tg.Guard(model, optimizer)"
+        )
+    if isinstance(engine, PipelineEngine):
+        raise TrainguardError("DeepSpeedGuard does not support pipeline parallelism (train_batch)")
+    stage = engine.zero_optimization_stage()
+    if stage not in (1, 2, 3):
+        raise TrainguardError(
+            f"DeepSpeedGuard needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is {stage}); "
+            "without ZeRO, wrap the model in DDP and use tg.Guard(model, optimizer)"
+        )
+    if not isinstance(engine.basic_optimizer, torch.optim.Optimizer):
+        raise TrainguardError(
+            "DeepSpeedGuard needs an optimizer: pass one to deepspeed.initialize or name one "
+            "in the DeepSpeed config"
+        )
+    if private.offloads_optimizer(engine.optimizer):
+        raise TrainguardError(
+            "DeepSpeedGuard does not support ZeRO-Offload (offload_optimizer): turn it off"
+        )
+    if not engine.managed_gradient_accumulation():
+        raise TrainguardError(
+            "DeepSpeedGuard needs managed gradient accumulation "
+            "(managed_gradient_accumulation: true, DeepSpeed's default)"
+        )
+
+
+class ZeroGradients:
+    """Measures this rank's gradient partition: the squared norm of each partition tensor and
+    its non-finite ones, fused on the device, unscaled by the fp16 loss scale."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.optimizer = engine.optimizer
+        self.device = torch.device(engine.device)
+        self.fp16 = bool(engine.fp16_enabled())
+        self._names = {id(p): n for n, p in engine.module.named_parameters()}
+
+    @torch.no_grad()
+    def measure(self, loss: torch.Tensor) -> Measurement:
+        """Launch the step's figures on the device; nothing crosses to the host yet."""
+        grads = private.gradient_partitions(self.optimizer)
+        if grads:
+            norms = torch.stack(foreach_norm(grads, torch.float32)).to(self.device)
+        else:  # this rank holds no gradient (fewer elements than ranks)
+            norms = torch.zeros(0, device=self.device)
+        scale = float(self.optimizer.loss_scale) if self.fp16 else 1.0
+        if scale != 1.0:
+            norms = norms / scale
+        sq = norms.square()
+        nonfinite = (~torch.isfinite(norms)).to(torch.float32)
+        n_first = min(FIRST_NONFINITE, nonfinite.numel())
+        first = torch.sort(nonfinite, descending=True, stable=True).indices[:n_first]
+        zero = torch.zeros((), device=self.device)
+        head = [
+            loss.detach().to(self.device, torch.float32).reshape(()),
+            sq.sum().sqrt(),
+            nonfinite.sum(),
+            torch.full((), scale, device=self.device) if self.fp16 else zero,
+            nonfinite.sum(),  # stays this rank's own after `combine`: names only its own
+        ]
+        lrs: list[Any] = [g["lr"] for g in self.engine.basic_optimizer.param_groups]
+        shard_sq = sq.sum()
+        return Measurement(
+            total_norm=shard_sq.sqrt(),
+            head=torch.stack(head),
+            first=first.to(torch.float32),
+            group_norms=shard_sq.sqrt().reshape(1),
+            tail=[],
+            present=None,
+            n_first=n_first,
+            lrs=lrs,
+            has_scaler=self.fp16,
+            pending_step=None,
+            rep_sq=torch.zeros((), device=self.device),  # ZeRO partitions every gradient
+            shard_sq=shard_sq,
+            group_rep_sq=torch.zeros(1, device=self.device),
+            group_shard_sq=shard_sq.reshape(1),
+        )
+
+    def resolve(self, m: Measurement) -> StepSignals:
+        """Bring the figures to the host: the step's one device-to-host transfer. Under fp16 a
+        non-finite gradient on any rank is an overflow, which the engine's loss scaler skips."""
+        values: list[float] = m.packed.tolist()
+        loss, total, count, scale, own = values[:_HEAD]
+        first = [int(i) for i in values[_HEAD : _HEAD + m.n_first]]
+        n_groups = 1
+        pos = _HEAD + m.n_first + n_groups
+        names: list[str] = []
+        if own > 0:  # an incident step: name this rank's non-finite partitions
+            every = private.partition_names(self.optimizer, self._names)
+            names = [every[i] for i in first[: int(own)] if i < len(every)]
+        signals = StepSignals(
+            loss=loss,
+            grad_norm=total,
+            nonfinite_grads=int(count),
+            nonfinite_params=names,
+            group_grad_norms={},
+            lrs=[float(lr) for lr in m.lrs],
+            loss_scale=scale if m.has_scaler else None,
+            overflow=m.has_scaler and (count > 0 or not math.isfinite(total)),
+        )
+        n_extra = m.extra.numel() if m.extra is not None else 0
+        if n_extra:
+            signals.extra = values[pos : pos + n_extra]
+        return signals
+
+
+class ZeroPartition:
+    """This rank's part of the training state for snapshots: the ZeRO optimizer's partition
+    (fp32 master weights, the basic optimizer's state, the loss scaler), put back the way
+    `engine.load_checkpoint` does, with the low-precision weights refreshed from it."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def state_dict(self) -> dict[str, Any]:
+        optimizer = self.engine.optimizer
+        if hasattr(optimizer, "checkpoint_event_prologue"):
+            optimizer.checkpoint_event_prologue()
+        state: dict[str, Any] = optimizer.state_dict()
+        if hasattr(optimizer, "checkpoint_event_epilogue"):
+            optimizer.checkpoint_event_epilogue()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        optimizer = self.engine.optimizer
+        if hasattr(optimizer, "checkpoint_event_prologue"):
+            optimizer.checkpoint_event_prologue()
+        world = private.data_parallel_size(optimizer)
+        optimizer.load_state_dict(
+            [state_dict] * world, load_optimizer_states=True, load_from_fp32_weights=True
+        )
+        if self.engine.zero_optimization_stage() in (1, 2):
+            optimizer.update_lp_params()  # the bit16 weights from the restored fp32 partition
+        if hasattr(optimizer, "checkpoint_event_epilogue"):
+            optimizer.checkpoint_event_epilogue()
+
+
+class EngineCounters:
+    """The engine's step and sample counters, kept with a snapshot so that a rollback puts
+    DeepSpeed's count back with the weights."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def state_dict(self) -> dict[str, Any]:
+        engine = self.engine
+        return {"global_steps": engine.global_steps, "global_samples": engine.global_samples}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.engine.global_steps = int(state_dict["global_steps"])
+        self.engine.global_samples = int(state_dict["global_samples"])
+
+
+class EngineActions(OptimizerActions):
+    """`OptimizerActions` whose update is `engine.step()`: the engine clips, unscales and steps;
+    the guard steps the LR schedule (taken from the engine) and cuts the LR in the basic
+    optimizer's param groups, which the ZeRO optimizer steps with."""
+
+    def __init__(self, engine: Any, scheduler: Any) -> None:
+        super().__init__(engine.basic_optimizer, scheduler, None, max_grad_norm=None)
+        self.engine = engine
+
+    def _apply_update(self) -> None:
+        self.engine.step()
+
+    def skip(self) -> None:
+        """Run the engine's step with the basic optimizer held: DeepSpeed releases the
+        gradients, counts the step and updates its fp16 loss scale (lowered on an overflow);
+        weights and optimizer state stay as they are."""
+        with private.update_held(self.optimizer):
+            self.engine.step()
+
+
+class DeepSpeedGuard(Guard):
+    """Watches every optimizer step of a DeepSpeed engine and steps, skips, rolls back or
+    halts it, with the plain loop's detectors, policy, recovery and run files.
+
+    `step(loss)` replaces `engine.step()` (call it after `engine.backward(loss)` for every
+    micro-batch; it measures and decides at the accumulation boundary). Clipping is the
+    engine's (`gradient_clipping` in the DeepSpeed config): the guard measures the norm before
+    it. The LR schedule the engine was given is stepped by the guard from here on."""
+
+    def __init__(
+        self,
+        engine: Any,
+        config: GuardConfig | None = None,
+        run_dir: str | Path | None = None,
+        sinks: Sequence[Sink] = (),
+    ) -> None:
+        check_engine(engine)
+        cfg = config if config is not None else GuardConfig()
+        cfg = cfg.model_copy(update={"max_grad_norm": None})  # the engine clips
+        self.engine = engine
+        self.model = engine.module
+        self.optimizer = engine.basic_optimizer
+        self.scheduler = engine.lr_scheduler
+        engine.lr_scheduler = None  # stepped by the guard, only on steps it takes
+        self.scaler = None
+        self.gradients = ZeroGradients(engine)
+        Monitor.__init__(self, cfg, run_dir, sinks, device=self.gradients.device)
+        self.exchange = StepExchange(self.ranks) if self.ranks is not None else None
+        self._local_norm = None
+        actions = EngineActions(engine, self.scheduler)
+        self.recovery = Recovery(
+            cfg, self.policy, self.detectors, self.quarantine, EngineCounters(engine),
+            ZeroPartition(engine), self.scheduler, None, actions,
+        )  # fmt: skip
+        self._training = None
+        self.user_actions = build_actions(cfg)
+        self.checkpointing = None
+        self._resume_data = None
+        self._size_confirmation()
+        self.findings = []
+        self._micro_losses: list[torch.Tensor] = []
+
+    def step(
+        self,
+        loss: torch.Tensor | float,
+        batch_ids: Iterable[Any] | None = None,
+        sample_ids: Iterable[Any] | None = None,
+        replay: Callable[[], torch.Tensor] | None = None,
+        per_sample_losses: torch.Tensor | Callable[[], torch.Tensor] | None = None,
+        sample_text: Sequence[str] | None = None,
+        routing: RoutingStats | None = None,
+    ) -> Decision:
+        """After `engine.backward(loss)`: between accumulation boundaries this runs the
+        engine's step (no update) and returns a plain `step` decision for the micro-batch; at
+        the boundary it measures, decides and steps, skips, rolls back or halts (raising
+        `TrainingHalted`) every rank alike. `loss` is this micro-batch's (unscaled) loss."""
+        unsupported = {
+            "replay": replay,
+            "per_sample_losses": per_sample_losses,
+            "sample_text": sample_text,
+            "routing": routing,
+        }
+        given = [name for name, value in unsupported.items() if value is not None]
+        if given:
+            raise TrainguardError(f"DeepSpeedGuard.step does not take {', '.join(given)}")
+        engine = self.engine
+        if not self._micro_losses:  # the first micro-batch of this step
+            self.recovery.remember_position(self.global_step)
+        self._micro_losses.append(_loss_tensor(loss, self.gradients.device))
+        if not engine.is_gradient_accumulation_boundary():
+            engine.step()  # accumulates: DeepSpeed updates nothing between boundaries
+            return Decision(step=self.global_step, action="step", reason="accumulating")
+        mean_loss = torch.stack(self._micro_losses).mean()
+        self._micro_losses = []
+        step = self.global_step
+        measurement = self.gradients.measure(mean_loss)
+        batches = self.recovery.batches
+        if self.exchange is not None:  # every rank's figures, in the step's one collective
+            self.exchange.share(
+                measurement,
+                hook=None,
+                ready_at=batches.ready_at if batches is not None else None,
+                data_wait=batches.data_wait if batches is not None else 0.0,
+                last_step_time=self.recorder.last_step_time,
+            )
+        signals = self.gradients.resolve(measurement)
+        point = _point_from_signals(step, signals)
+        if self.exchange is not None:
+            self.exchange.add_rank_figures(point, signals.extra)
+        decision, events = self._decide(point, batch_ids, self.recovery.has_target)
+        events += self._publish(
+            self.recovery.hold_data(decision, signals.loss, batch_ids, sample_ids)
+        )
+        self.global_step += 1
+        actions = self.recovery.actions
+        assert actions is not None
+        if decision.action == "step":
+            actions.step(signals.loss)
+            events += self._publish(self.recovery.cut_lr(decision))
+            self.recovery.maybe_snapshot(self.global_step)
+            self._maybe_checkpoint()
+        else:
+            actions.skip()
+            if decision.action == "rollback":
+                self.global_step, done = self.recovery.roll_back(decision)
+                events += self._publish(done)
+            elif decision.action == "skip":
+                events += self._publish(self.recovery.cut_lr(decision))
+        if self.user_actions:
+            target = ActionTarget(
+                self.global_step, self.model, self.optimizer, self.scheduler, batches
+            )
+            acted = dataclasses.replace(decision, events=list(events))
+            events += self._publish(run_actions(self.user_actions, acted, target))
+        result = self._finish(point, decision, events, signals)
+        if result.action == "halt":
+            result = self._halt(result, raise_error=True)
+        return result
+
+
+def _loss_tensor(loss: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise TrainguardError(
+                f"guard.step needs the scalar loss, got a tensor of shape {tuple(loss.shape)}"
+            )
+        return loss.detach().to(device, torch.float32).reshape(())
+    return torch.tensor(float(loss), device=device)

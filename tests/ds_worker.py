@@ -1,0 +1,236 @@
+"""Workers for the DeepSpeed tests: each process builds small DeepSpeed engines on the CPU
+(`DS_ACCELERATOR=cpu`, gloo) and runs several guarded scenarios in one launch, writing what it
+saw to a JSON file per rank."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import trainguard as tg
+from dist_worker import model_and_data
+from trainguard.integrations.deepspeed import DeepSpeedGuard
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+Fault = Callable[[int, int, torch.Tensor], torch.Tensor]
+
+
+def allow_fp16_on_cpu() -> None:
+    """DeepSpeed refuses fp16 where the CPU's oneDNN has no fp16 kernels; its fp16 path (loss
+    scaler, overflow checks) runs in plain torch on the CPU all the same."""
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True
+
+
+def build_engine(
+    stage: int,
+    dtype: str,
+    lr: float = 0.01,
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+) -> Any:
+    import deepspeed
+
+    model, _ = model_and_data(0, 0)  # the same weights on every rank
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 32,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler(optimizer) if scheduler is not None else None,
+        config=config,
+    )
+    return engine
+
+
+def weights(engine: Any) -> list[float]:
+    """The sum of each parameter as the model holds it (gathered under ZeRO-3)."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters(params):
+            return [float(p.detach().double().sum()) for p in params]
+    return [float(p.detach().double().sum()) for p in params]
+
+
+def private_names_missing(engine: Any) -> list[str]:
+    """The DeepSpeed internals the integration reads that this engine's optimizer lacks."""
+    from trainguard.integrations import _deepspeed_private as private
+
+    optimizer = engine.optimizer
+    wanted = [private.GRADIENT_PARTITIONS, private.DP_GROUP]
+    stage = engine.zero_optimization_stage()
+    wanted.append(private.PARTITION_PARAMS[0] if stage == 3 else private.PARTITION_PARAMS[1])
+    wanted.append(private.OFFLOAD_FLAGS[1] if stage == 3 else private.OFFLOAD_FLAGS[0])
+    return [name for name in wanted if not hasattr(optimizer, name)]
+
+
+def train(
+    engine: Any,
+    rank: int,
+    steps: int,
+    out: Path | None,
+    fault: Fault | None = None,
+    config: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`steps` optimizer steps over this rank's data, guarded when `out` is a run folder (else
+    plain `engine.step()`); the actions, losses and the weights at the start of each step."""
+    _, data = model_and_data(rank, steps + 60)
+    dtype = next(engine.module.parameters()).dtype
+    missing = private_names_missing(engine)
+    guard = None
+    if out is not None:
+        cfg = tg.GuardConfig.from_dict({"console": False, **(config or {})})
+        guard = DeepSpeedGuard(engine, config=cfg, run_dir=out)
+    actions: list[list[Any]] = []
+    losses: list[float] = []
+    at_start: list[list[Any]] = []  # [step, weights], again for a step replayed
+    scales: list[float] = []
+    norms: list[list[float]] = []
+    source = guard.batches(data) if guard is not None else iter(data)
+    step = 0
+    for i, (x, y) in enumerate(source):
+        step = guard.global_step if guard is not None else i
+        if step >= steps:
+            break
+        at_start.append([step, weights(engine)])
+        loss = nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
+        if fault is not None:
+            loss = fault(rank, step, loss)
+        engine.backward(loss)
+        losses.append(float(loss.detach()))
+        if guard is None:
+            engine.step()
+            actions.append([step, "step"])
+            continue
+        decision = guard.step(loss, batch_ids=[f"r{rank}-b{i}"])
+        actions.append([decision.step, decision.action])
+        if decision.action == "step":  # the guard's norm against the one the engine clipped by
+            norms.append([decision.metrics["grad_norm"], float(engine.get_global_grad_norm())])
+        if engine.fp16_enabled():
+            scales.append(float(engine.optimizer.loss_scale))
+    if guard is not None:
+        guard.close()
+    return {
+        "actions": actions,
+        "losses": losses,
+        "weights": weights(engine),
+        "at_start": at_start,
+        "scales": scales,
+        "norms": norms,
+        "private_missing": missing,
+        "engine_steps": engine.global_steps,
+    }
+
+
+def nan_on_rank1(rank: int, out: Path) -> dict[str, Any]:
+    """ZeRO-2, bf16: rank 1's loss is NaN at step 12 alone."""
+
+    def fault(r: int, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float("nan") if (r == 1 and step == 12) else loss
+
+    return train(build_engine(2, "bf16"), rank, 20, out, fault)
+
+
+def fp16_overflow(rank: int, out: Path) -> dict[str, Any]:
+    """ZeRO-2, fp16: rank 0's gradients overflow at step 8 (the engine's scaler skips it)."""
+
+    def fault(r: int, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * 1e6 if (r == 0 and step == 8) else loss  # x scale 256: over fp16's max
+
+    allow_fp16_on_cpu()
+    return train(build_engine(2, "fp16"), rank, 14, out, fault)
+
+
+def toxic_on_rank0(rank: int, out: Path) -> dict[str, Any]:
+    """ZeRO-1, bf16: rank 0's batch of step 30 is toxic (loss x400)."""
+
+    def fault(r: int, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * 400.0 if (r == 0 and step == 30) else loss
+
+    return train(build_engine(1, "bf16"), rank, 40, out, fault)
+
+
+def lr_burst(rank: int, out: Path) -> dict[str, Any]:
+    """ZeRO-2 in bf16, then ZeRO-3 in fp32: the schedule multiplies the LR by 100 for the 43rd
+    to 47th batch (in the run's time: a rollback does not bring the burst back)."""
+    runs = {}
+    for stage, dtype in ((2, "bf16"), (3, "fp32")):
+        batch = {"i": 0}
+
+        def schedule(optimizer: torch.optim.Optimizer, batch: dict[str, int] = batch) -> Any:
+            return torch.optim.lr_scheduler.LambdaLR(
+                optimizer, lambda s: 100.0 if 43 <= batch["i"] < 48 else 1.0
+            )
+
+        def count(
+            r: int, step: int, loss: torch.Tensor, batch: dict[str, int] = batch
+        ) -> torch.Tensor:
+            batch["i"] += 1
+            return loss
+
+        config = {"recovery": {"snapshot_every": 10, "rollback_margin": 5}}
+        engine = build_engine(stage, dtype, scheduler=schedule)
+        runs[f"stage{stage}"] = train(engine, rank, 70, out / f"stage{stage}", count, config)
+    return runs
+
+
+def clean(rank: int, out: Path) -> dict[str, Any]:
+    """ZeRO-3 and ZeRO-1, fp32: a guarded clean run and the same run on `engine.step()`."""
+    guarded = {s: train(build_engine(s, "fp32"), rank, 30, out / f"stage{s}") for s in (1, 3)}
+    plain = {s: train(build_engine(s, "fp32"), rank, 30, None) for s in (1, 3)}
+    return {"guarded": guarded, "plain": plain}
+
+
+SCENARIOS: dict[str, Callable[[int, Path], dict[str, Any]]] = {
+    "nan_on_rank1": nan_on_rank1,
+    "fp16_overflow": fp16_overflow,
+    "toxic_on_rank0": toxic_on_rank0,
+    "lr_burst": lr_burst,
+    "clean": clean,
+}
+
+
+def run(rank: int, world: int, scenarios: list[str], out: str, port: int) -> None:
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(1234 + rank)
+    results: dict[str, Any] = {}
+    try:
+        for name in scenarios:
+            folder = Path(out) / name
+            folder.mkdir(parents=True, exist_ok=True)
+            results[name] = SCENARIOS[name](rank, folder)
+    finally:
+        dist.destroy_process_group()
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))

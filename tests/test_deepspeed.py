@@ -1,0 +1,132 @@
+"""DeepSpeed engines guarded in 2 gloo processes on the CPU (`DS_ACCELERATOR=cpu`): ZeRO stages
+1, 2 and 3, fp32, bf16 and fp16; every scenario runs in one launch (DeepSpeed starts slowly)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.multiprocessing as mp
+
+pytest.importorskip("deepspeed")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from ds_worker import SCENARIOS, run
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("deepspeed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mp.spawn(run, args=(WORLD, list(SCENARIOS), str(out), port), nprocs=WORLD, join=True)
+    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def events(folder: Path) -> list[dict[str, Any]]:
+    lines = (folder / "events.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def not_stepped(result: dict[str, Any]) -> list[list[Any]]:
+    return [a for a in result["actions"] if a[1] != "step"]
+
+
+def weights_at(result: dict[str, Any], step: int) -> list[list[float]]:
+    """The weights at the start of `step`, each time it was reached."""
+    return [w for s, w in result["at_start"] if s == step]
+
+
+def test_a_nan_on_rank_1_alone_makes_every_rank_skip_the_same_step(runs):
+    out, results = runs
+    first, second = (r["nan_on_rank1"] for r in results)
+    assert not_stepped(first) == not_stepped(second) == [[12, "skip"]]
+    assert first["weights"] == second["weights"]  # the partitions never diverged
+    assert weights_at(first, 13) == weights_at(first, 12)  # nothing was updated
+    assert first["engine_steps"] == 20  # the engine counted the skipped step
+    found = [e for e in events(out / "nan_on_rank1") if e["step"] == 12]
+    outlier = next(e for e in found if e["kind"] == "rank_outlier")
+    assert outlier["rank"] == 1 and outlier["severity"] == "critical"
+    assert "non-finite loss on rank 1" in outlier["message"]
+    assert next(e for e in found if e["kind"] == "nonfinite")["severity"] == "critical"
+
+
+def test_an_fp16_overflow_is_the_engine_scalers_skip_not_an_incident(runs):
+    out, results = runs
+    for r in results:
+        result = r["fp16_overflow"]
+        assert not_stepped(result) == [[8, "skip"]]
+        # the engine's scaler halved the scale on the overflow (hysteresis 1), not before
+        assert result["scales"][7] == 256.0 and result["scales"][8] == 128.0
+        assert weights_at(result, 9) == weights_at(result, 8)
+    found = events(out / "fp16_overflow")
+    overflow = [e for e in found if e["kind"] == "fp16_overflow"]
+    assert [(e["step"], e["severity"]) for e in overflow] == [(8, "info")]
+    assert overflow[0]["metrics"]["loss_scale"] == 256.0
+    assert not [e for e in found if e["kind"] in ("nonfinite", "halt", "rollback")]
+
+
+def test_a_toxic_batch_on_one_rank_is_skipped_on_every_rank_and_quarantined(runs):
+    out, results = runs
+    assert all(not_stepped(r["toxic_on_rank0"]) == [[30, "skip"]] for r in results)
+    assert results[0]["toxic_on_rank0"]["weights"] == results[1]["toxic_on_rank0"]["weights"]
+    found = events(out / "toxic_on_rank0")
+    spike = next(e for e in found if e["kind"] == "loss_spike")
+    assert spike["step"] == 30 and "data toxicity" in spike["message"]
+    assert next(e for e in found if e["kind"] == "rank_outlier")["rank"] == 0
+    quarantine = next(e for e in found if e["kind"] == "quarantine")
+    assert quarantine["metrics"]["spike_step"] == 30
+    records = (out / "toxic_on_rank0" / "quarantine-rank0.jsonl").read_text()
+    assert "r0-b30" in records
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_lr_burst_is_rolled_back_to_the_partitions_as_they_were(runs, stage):
+    out, results = runs
+    first, second = (r["lr_burst"][f"stage{stage}"] for r in results)
+    assert not_stepped(first) == not_stepped(second)
+    rollbacks = [e for e in events(out / "lr_burst" / f"stage{stage}") if e["kind"] == "rollback"]
+    assert len(rollbacks) == 1
+    to_step = rollbacks[0]["metrics"]["to_step"]
+    assert to_step <= 43 and rollbacks[0]["step"] > 43
+    for result in (first, second):
+        before, after = weights_at(result, to_step)  # reached, then rolled back to
+        assert after == before  # every rank's partition restored exactly
+        assert result["engine_steps"] == 70  # DeepSpeed's count went back with the weights
+        assert max(result["losses"][-10:]) < 1.0  # training went on healthy
+    assert first["weights"] == second["weights"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_clean_run_is_left_alone(runs, stage):
+    out, results = runs
+    for r in results:
+        guarded, plain = r["clean"]["guarded"][str(stage)], r["clean"]["plain"][str(stage)]
+        assert not_stepped(guarded) == []
+        assert guarded["weights"] == plain["weights"]  # bit for bit the engine's own run
+        # the guard's norm, measured before the engine clips, is the engine's own
+        for ours, engines in guarded["norms"]:
+            assert ours == pytest.approx(engines, rel=1e-5)
+    found = events(out / "clean" / f"stage{stage}")
+    assert not [e for e in found if e["severity"] != "info"]
+
+
+def test_the_private_deepspeed_names_still_exist(runs):
+    """`trainguard.integrations._deepspeed_private` reads these; a DeepSpeed release that
+    renames one fails here first."""
+
+    def missing(result: dict[str, Any]) -> list[str]:
+        if "actions" in result:
+            return list(result["private_missing"])
+        return [name for inner in result.values() for name in missing(inner)]
+
+    _, results = runs
+    assert [name for r in results for res in r.values() for name in missing(res)] == []
