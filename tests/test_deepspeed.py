@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +132,51 @@ def test_the_private_deepspeed_names_still_exist(runs):
 
     _, results = runs
     assert [name for r in results for res in r.values() for name in missing(res)] == []
+
+
+def torchrun(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    paths = [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(WORLD),
+        "--max-restarts",
+        "1",
+        str(Path(__file__).with_name("ds_torchrun_worker.py")),
+        str(run_dir),
+        *args,
+    ]
+    return subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=400, check=False
+    )
+
+
+def test_a_rank_killed_under_torchrun_resumes_from_deepspeeds_checkpoint(tmp_path):
+    clean = torchrun(tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    killed = torchrun(tmp_path / "killed", "--kill-at", "37")
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    for rank in range(WORLD):
+        a = json.loads((tmp_path / "clean" / f"result-rank{rank}.json").read_text())
+        b = json.loads((tmp_path / "killed" / f"result-rank{rank}.json").read_text())
+        assert b["attempt"] == "1" and b["start"] == 30  # the last complete checkpoint
+        assert b["window_at_start"] > 0  # the detectors' state came back
+        assert b["weights"] == a["weights"]  # bit for bit the uninterrupted run's
+        assert b["engine_steps"] == a["engine_steps"] == 50
+    assert json.loads((tmp_path / "killed" / "result-rank0.json").read_text())["quarantined"] == 1
+    found = events(tmp_path / "killed")
+    assert any(e["kind"] == "resume" and e["metrics"]["step"] == 30 for e in found)
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step-50"
+    step = checkpoints / "step-50"
+    assert {f"trainguard-rank{r}.json" for r in range(WORLD)} <= {p.name for p in step.iterdir()}
+    assert len(list(step.glob("*optim_states.pt"))) == WORLD  # each rank's ZeRO partition

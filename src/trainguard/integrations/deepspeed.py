@@ -20,19 +20,24 @@ is updated), or restores an in-memory snapshot of every rank's own partition (a 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import shutil
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from trainguard._torch_private import foreach_norm
 from trainguard.actions.optimizer_step import OptimizerActions
+from trainguard.actions.snapshots import rng_from_plain, rng_state, rng_to_plain, set_rng_state
 from trainguard.actions.user_actions import ActionTarget, build_actions, run_actions
 from trainguard.config import GuardConfig
 from trainguard.distributed import StepExchange
-from trainguard.events import Decision, TrainguardError
+from trainguard.events import Decision, Event, EventKind, TrainguardError
 from trainguard.guard import Guard, _point_from_signals
 from trainguard.integrations import _deepspeed_private as private
 from trainguard.moe.routing import RoutingStats
@@ -42,6 +47,8 @@ from trainguard.signals.gradients import FIRST_NONFINITE, Measurement, StepSigna
 from trainguard.sinks import Sink
 
 _HEAD = 5  # loss, grad norm, non-finite count, loss scale, local non-finite count
+TAG_PREFIX = "step-"  # a checkpoint's DeepSpeed tag: step-<the step it resumes at>
+LATEST = "latest"  # DeepSpeed's file naming the newest tag; written here once every rank is done
 
 
 def check_engine(engine: Any) -> None:
@@ -348,6 +355,141 @@ class DeepSpeedGuard(Guard):
         if result.action == "halt":
             result = self._halt(result, raise_error=True)
         return result
+
+    # -- durable checkpoints: DeepSpeed's own ---------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        """Where `engine.save_checkpoint` writes (`run_dir/checkpoints`), None without a run_dir."""
+        return self.run_dir / "checkpoints" if self.run_dir is not None else None
+
+    def _maybe_checkpoint(self) -> None:
+        every = self.config.recovery.checkpoint_every
+        if self.checkpoint_dir is None or not every or self.global_step % every:
+            return
+        self.save_checkpoint()
+
+    def save_checkpoint(self) -> None:
+        """Write a checkpoint of the state at the start of the next step, on every rank alike:
+        DeepSpeed's own (`engine.save_checkpoint`: module, each rank's ZeRO partition), then each
+        rank's guard state, data position and RNGs beside it; DeepSpeed's `latest` names it only
+        once every rank has written, so a rank killed midway leaves the previous one newest."""
+        directory = self.checkpoint_dir
+        if directory is None:
+            raise TrainguardError(
+                "checkpoints need a run_dir: build DeepSpeedGuard(engine, run_dir=...)"
+            )
+        step = self.global_step
+        tag = f"{TAG_PREFIX}{step}"
+        scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
+        self.engine.save_checkpoint(
+            str(directory), tag=tag, client_state={"lr_scheduler": scheduler}, save_latest=False
+        )
+        batches = self.recovery.batches
+        own = {
+            "trainguard_version": _version(),
+            "step": step,
+            "guard": self.state_dict(),
+            "data": batches.state() if batches is not None else None,
+            "rng": rng_to_plain(rng_state()),
+        }
+        rank = self.ranks.rank if self.ranks is not None else 0
+        _write_atomically(directory / tag / f"trainguard-rank{rank}.json", json.dumps(own))
+        if self.ranks is not None:
+            dist.barrier(group=self.ranks.group)
+        if rank == 0:
+            _write_atomically(directory / LATEST, tag)
+            self._drop_old_checkpoints(directory, keep=self.config.recovery.keep_checkpoints)
+        if self.ranks is not None:
+            dist.barrier(group=self.ranks.group)
+
+    def _drop_old_checkpoints(self, directory: Path, keep: int) -> None:
+        tags = sorted(
+            (p for p in directory.glob(f"{TAG_PREFIX}*") if p.name[len(TAG_PREFIX) :].isdigit()),
+            key=lambda p: int(p.name[len(TAG_PREFIX) :]),
+        )
+        for path in tags[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    @classmethod
+    def resume(  # type: ignore[override]
+        cls,
+        run_dir: str | Path,
+        engine: Any,
+        config: GuardConfig | None = None,
+        sinks: Sequence[Sink] = (),
+    ) -> DeepSpeedGuard:
+        """A guard restored from the newest complete checkpoint in `run_dir` (DeepSpeed's
+        `engine.load_checkpoint`, then this rank's guard state, LR schedule, data position and
+        RNGs); one that starts at step 0 where there is none yet."""
+        path = Path(run_dir)
+        if config is None and (path / "config.json").is_file():
+            config = GuardConfig.load(path / "config.json")
+        guard = cls(engine, config=config, run_dir=path, sinks=sinks)
+        try:
+            guard._restore_newest()
+        except BaseException:  # a checkpoint that does not fit: release the run folder
+            guard.close()
+            raise
+        return guard
+
+    def _restore_newest(self) -> None:
+        directory = self.checkpoint_dir
+        assert directory is not None
+        latest = directory / LATEST
+        if not latest.is_file():
+            self._warn(f"no checkpoint in {directory}: starting at step 0")
+            return
+        tag = latest.read_text().strip()
+        rank = self.ranks.rank if self.ranks is not None else 0
+        own_path = directory / tag / f"trainguard-rank{rank}.json"
+        try:
+            own = json.loads(own_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise TrainguardError(
+                f"cannot resume from {directory / tag}: {own_path.name} is unreadable ({exc}); "
+                f"point {latest} at an older step-* folder"
+            ) from None
+        loaded, client = self.engine.load_checkpoint(
+            str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if loaded is None:
+            raise TrainguardError(
+                f"DeepSpeed could not load {directory / tag}; point {latest} at an older step-*"
+            )
+        if self.scheduler is not None and client.get("lr_scheduler") is not None:
+            self.scheduler.load_state_dict(client["lr_scheduler"])
+        self.load_state_dict(own["guard"])
+        self._resume_data = own["data"]
+        set_rng_state(rng_from_plain(own["rng"]))
+        self._publish(
+            [
+                Event(
+                    step=self.global_step,
+                    kind=EventKind.RESUME,
+                    severity="info",
+                    message=f"resumed from the DeepSpeed checkpoint at step {own['step']} ({tag})",
+                    metrics={"checkpoint": str(directory / tag), "step": own["step"]},
+                    action="step",
+                )
+            ]
+        )
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all (a temporary file, fsynced, renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _version() -> str:
+    from trainguard import __version__
+
+    return __version__
 
 
 def _loss_tensor(loss: torch.Tensor | float, device: torch.device) -> torch.Tensor:
