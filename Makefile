@@ -35,6 +35,7 @@ test: $(STAMP) chromium
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
+	$(BIN)/python tests/prepare_deepspeed.py
 	$(BIN)/pytest
 
 demo: $(RUNTIME_STAMP)

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -180,3 +181,23 @@ def test_a_rank_killed_under_torchrun_resumes_from_deepspeeds_checkpoint(tmp_pat
     step = checkpoints / "step-50"
     assert {f"trainguard-rank{r}.json" for r in range(WORLD)} <= {p.name for p in step.iterdir()}
     assert len(list(step.glob("*optim_states.pt"))) == WORLD  # each rank's ZeRO partition
+
+
+def test_the_prepare_step_clears_only_a_stale_build_lock(tmp_path):
+    from prepare_deepspeed import OP, STALE_AFTER_S, clear_stale_locks
+
+    stale, fresh, held = (tmp_path / name / OP for name in ("a", "b", "c"))
+    for folder in (stale, fresh, held):
+        folder.mkdir(parents=True)
+        (folder / "lock").touch()
+    old = time.time() - 2 * STALE_AFTER_S
+    os.utime(stale / "lock", (old, old))
+    os.utime(held / "lock", (old, old))
+    builder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=held)
+    try:
+        removed = clear_stale_locks(tmp_path, time.time())
+    finally:
+        builder.kill()
+        builder.wait()
+    assert removed == [stale / "lock"]  # a killed compile's; not a fresh one, not one in use
+    assert (fresh / "lock").exists() and (held / "lock").exists()

@@ -82,7 +82,8 @@ def check_engine(engine: Any) -> None:
         raise TrainguardError(
             "DeepSpeedGuard does not support ZeRO-Offload (offload_optimizer): turn it off"
         )
-    if not engine.managed_gradient_accumulation():
+    managed = getattr(engine, "managed_gradient_accumulation", None)  # DeepSpeed 0.19 on
+    if managed is not None and not managed():
         raise TrainguardError(
             "DeepSpeedGuard needs managed gradient accumulation "
             "(managed_gradient_accumulation: true, DeepSpeed's default)"
