@@ -37,6 +37,7 @@ def build_engine(
     dtype: str,
     lr: float = 0.01,
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    accumulation: int = 1,
 ) -> Any:
     import deepspeed
 
@@ -44,7 +45,7 @@ def build_engine(
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 32,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": accumulation,
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**9,
@@ -95,7 +96,7 @@ def train(
 ) -> dict[str, Any]:
     """`steps` optimizer steps over this rank's data, guarded when `out` is a run folder (else
     plain `engine.step()`); the actions, losses and the weights at the start of each step."""
-    _, data = model_and_data(rank, steps + 60)
+    _, data = model_and_data(rank, steps * engine.gradient_accumulation_steps() + 60)
     dtype = next(engine.module.parameters()).dtype
     missing = private_names_missing(engine)
     guard = None
@@ -109,8 +110,9 @@ def train(
     norms: list[list[float]] = []
     source = guard.batches(data) if guard is not None else iter(data)
     step = 0
+    accumulation = engine.gradient_accumulation_steps()
     for i, (x, y) in enumerate(source):
-        step = guard.global_step if guard is not None else i
+        step = guard.global_step if guard is not None else i // accumulation
         if step >= steps:
             break
         at_start.append([step, weights(engine)])
@@ -125,7 +127,7 @@ def train(
             continue
         decision = guard.step(loss, batch_ids=[f"r{rank}-b{i}"])
         actions.append([decision.step, decision.action])
-        if decision.action == "step":  # the guard's norm against the one the engine clipped by
+        if "grad_norm" in decision.metrics:  # the guard's norm; the one the engine clipped by
             norms.append([decision.metrics["grad_norm"], float(engine.get_global_grad_norm())])
         if engine.fp16_enabled():
             scales.append(float(engine.optimizer.loss_scale))
@@ -196,9 +198,14 @@ def lr_burst(rank: int, out: Path) -> dict[str, Any]:
 
 
 def clean(rank: int, out: Path) -> dict[str, Any]:
-    """ZeRO-3 and ZeRO-1, fp32: a guarded clean run and the same run on `engine.step()`."""
-    guarded = {s: train(build_engine(s, "fp32"), rank, 30, out / f"stage{s}") for s in (1, 3)}
-    plain = {s: train(build_engine(s, "fp32"), rank, 30, None) for s in (1, 3)}
+    """ZeRO-3, ZeRO-1 and ZeRO-2 with 2 micro-batches a step, fp32: a guarded clean run and
+    the same run on `engine.step()`."""
+    setups = {"1": (1, 1), "3": (3, 1), "2-accumulating": (2, 2)}
+    guarded, plain = {}, {}
+    for name, (stage, accumulation) in setups.items():
+        engine = build_engine(stage, "fp32", accumulation=accumulation)
+        guarded[name] = train(engine, rank, 30, out / f"stage{name}")
+        plain[name] = train(build_engine(stage, "fp32", accumulation=accumulation), rank, 30, None)
     return {"guarded": guarded, "plain": plain}
 
 

@@ -108,12 +108,13 @@ def test_an_lr_burst_is_rolled_back_to_the_partitions_as_they_were(runs, stage):
     assert first["weights"] == second["weights"]
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", ["1", "3", "2-accumulating"])
 def test_a_clean_run_is_left_alone(runs, stage):
     out, results = runs
     for r in results:
-        guarded, plain = r["clean"]["guarded"][str(stage)], r["clean"]["plain"][str(stage)]
+        guarded, plain = r["clean"]["guarded"][stage], r["clean"]["plain"][stage]
         assert not_stepped(guarded) == []
+        assert len(guarded["norms"]) == guarded["engine_steps"] == 30
         assert guarded["weights"] == plain["weights"]  # bit for bit the engine's own run
         # the guard's norm, measured before the engine clips, is the engine's own
         for ours, engines in guarded["norms"]:
@@ -201,3 +202,31 @@ def test_the_prepare_step_clears_only_a_stale_build_lock(tmp_path):
         builder.wait()
     assert removed == [stale / "lock"]  # a killed compile's; not a fresh one, not one in use
     assert (fresh / "lock").exists() and (held / "lock").exists()
+
+
+def test_the_hf_trainer_running_deepspeed_is_guarded_by_the_callback(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    paths = [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    worker = str(Path(__file__).with_name("ds_hf_worker.py"))
+    done = subprocess.run(
+        [sys.executable, worker, str(tmp_path), str(port)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["guard"] == "DeepSpeedGuard"
+    assert result["trainer_steps"] == result["guard_steps"] == result["engine_steps"] == 24
+    assert result["finite"] and result["step_restored"]
+    lines = (tmp_path / "guard" / "metrics.jsonl").read_text().splitlines()
+    actions = {r["step"]: r["action"] for r in map(json.loads, lines)}
+    assert [s for s, a in actions.items() if a != "step"] == [12]
+    assert actions[12] == "skip"
+    nonfinite = [e for e in events(tmp_path / "guard") if e["kind"] == "nonfinite"]
+    assert [(e["step"], e["severity"]) for e in nonfinite] == [(12, "critical")]

@@ -228,14 +228,14 @@ class EngineActions(OptimizerActions):
         self.engine = engine
 
     def _apply_update(self) -> None:
-        self.engine.step()
+        private.engine_step(self.engine)
 
     def skip(self) -> None:
         """Run the engine's step with the basic optimizer held: DeepSpeed releases the
         gradients, counts the step and updates its fp16 loss scale (lowered on an overflow);
         weights and optimizer state stay as they are."""
         with private.update_held(self.optimizer):
-            self.engine.step()
+            private.engine_step(self.engine)
 
 
 class DeepSpeedGuard(Guard):
@@ -308,7 +308,7 @@ class DeepSpeedGuard(Guard):
             self.recovery.remember_position(self.global_step)
         self._micro_losses.append(_loss_tensor(loss, self.gradients.device))
         if not engine.is_gradient_accumulation_boundary():
-            engine.step()  # accumulates: DeepSpeed updates nothing between boundaries
+            private.engine_step(engine)  # accumulates: nothing is updated between boundaries
             return Decision(step=self.global_step, action="step", reason="accumulating")
         mean_loss = torch.stack(self._micro_losses).mean()
         self._micro_losses = []

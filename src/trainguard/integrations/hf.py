@@ -35,7 +35,11 @@ class TrainguardCallback(TrainerCallback):
     steps as far as its data reaches (a run bounded by epochs ends with its data; data without
     a length, which the Trainer would start over, is not extended). A skipped step counts as a
     step, as in the plain loop. On resume from a checkpoint the steps lost before it are read
-    back from the schedule, which is that many steps behind the Trainer's count."""
+    back from the schedule, which is that many steps behind the Trainer's count.
+
+    A Trainer given a DeepSpeed config (`TrainingArguments(deepspeed=...)`, ZeRO 1-3) is
+    guarded by a `DeepSpeedGuard` on its engine: the engine's `step()`, which Accelerate calls
+    at each accumulation boundary, goes through the guard; the engine clips."""
 
     def __init__(
         self,
@@ -58,6 +62,7 @@ class TrainguardCallback(TrainerCallback):
         self._schedules = ScheduleHistory([])
         self._planned: int | None = None  # the Trainer's max_steps at the start, if extensible
         self.lost_steps = 0  # steps undone by rollbacks, made up for at the end
+        self._engine: Any = None  # the DeepSpeed engine when the Trainer runs DeepSpeed
 
     def on_train_begin(
         self,
@@ -71,8 +76,9 @@ class TrainguardCallback(TrainerCallback):
         if model is None or optimizer is None:
             raise TrainguardError("TrainguardCallback needs the Trainer's model and optimizer")
         inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate wraps the optimizer
+        self._engine = _deepspeed_engine(args, inner)
         config = self.config
-        if self.take_over_clipping:
+        if self.take_over_clipping and self._engine is None:  # under DeepSpeed the engine clips
             norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
             config = config.model_copy(update={"max_grad_norm": norm})
             args.max_grad_norm = 0.0  # the guard clips, after measuring
@@ -90,8 +96,14 @@ class TrainguardCallback(TrainerCallback):
         schedule = getattr(self._scheduler, "scheduler", None)  # inside Accelerate's wrapper
         if not isinstance(schedule, torch.optim.lr_scheduler.LRScheduler):
             schedule = self._scheduler
-        # the lint traces the schedule the Trainer steps (the guard does not step it)
-        self.guard = Guard(model, inner, config=config, run_dir=run_dir, lint_scheduler=schedule)
+        if self._engine is not None:
+            from trainguard.integrations.deepspeed import DeepSpeedGuard
+
+            self.guard = DeepSpeedGuard(self._engine, config=config, run_dir=run_dir)
+        else:  # the lint traces the schedule the Trainer steps (the guard does not step it)
+            self.guard = Guard(
+                model, inner, config=config, run_dir=run_dir, lint_scheduler=schedule
+            )
         self._model = model
         self._hook = model.register_forward_hook(self._capture, with_kwargs=True)
         # only data with a length is taken on past max_steps: a stream would start over
@@ -112,6 +124,12 @@ class TrainguardCallback(TrainerCallback):
             for opt in (optimizer, inner):  # what torch's LR scheduler checks was stepped
                 mark_optimizer_stepped(opt)
 
+        if self._engine is not None:
+            # under DeepSpeed, Accelerate's backward calls engine.step() at each accumulation
+            # boundary (the optimizer's step is a no-op): the guard takes that call, and steps
+            # the engine itself (through the engine's class, past this instance attribute)
+            self._engine.step = lambda *a, **k: callback._step()
+            return
         # torch's LR scheduler checks that optimizer.step is still its counting wrapper: it is
         # replaced on purpose, and the real step is taken inside the guard
         mark_step_wrapped(guarded_step)
@@ -141,7 +159,10 @@ class TrainguardCallback(TrainerCallback):
         inputs, self._inputs = self._inputs, []
         before = self.guard.global_step
         try:
-            self.guard.step(loss, replay=lambda: self._replay(inputs))
+            if self._engine is not None:  # DeepSpeed: no replay of a partitioned model's step
+                self.guard.step(loss)
+            else:
+                self.guard.step(loss, replay=lambda: self._replay(inputs))
         except TrainingHalted as exc:
             self.halted = exc
             return
@@ -174,8 +195,25 @@ class TrainguardCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._engine is not None and "step" in vars(self._engine):
+            del self._engine.step  # the engine's own step again
         if self.guard is not None and self.halted is None:
             self.guard.close()
+
+
+def _deepspeed_engine(args: TrainingArguments, optimizer: Any) -> Any:
+    """The DeepSpeed engine the Trainer runs (`deepspeed` in its arguments), else None."""
+    if not getattr(args, "deepspeed", None):
+        return None
+    from trainguard.integrations import _deepspeed_private as private
+
+    engine = private.engine_of(optimizer)
+    if engine is None:
+        raise TrainguardError(
+            "the Trainer runs DeepSpeed but its engine was not found from the optimizer: "
+            "use trainguard.integrations.deepspeed.DeepSpeedGuard in your own loop"
+        )
+    return engine
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
