@@ -209,12 +209,24 @@ def clean(rank: int, out: Path) -> dict[str, Any]:
     return {"guarded": guarded, "plain": plain}
 
 
+def unsupported(rank: int, out: Path) -> dict[str, Any]:
+    """What the guard says of an engine without ZeRO (stage 0) and of a plain module."""
+    said = {}
+    for name, engine in (("stage0", build_engine(0, "fp32")), ("module", nn.Linear(2, 2))):
+        try:
+            DeepSpeedGuard(engine, run_dir=out / name)
+        except tg.TrainguardError as exc:
+            said[name] = str(exc)
+    return said
+
+
 SCENARIOS: dict[str, Callable[[int, Path], dict[str, Any]]] = {
     "nan_on_rank1": nan_on_rank1,
     "fp16_overflow": fp16_overflow,
     "toxic_on_rank0": toxic_on_rank0,
     "lr_burst": lr_burst,
     "clean": clean,
+    "unsupported": unsupported,
 }
 
 

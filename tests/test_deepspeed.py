@@ -123,11 +123,21 @@ def test_a_clean_run_is_left_alone(runs, stage):
     assert not [e for e in found if e["severity"] != "info"]
 
 
+def test_an_engine_the_guard_cannot_drive_gets_one_line_saying_what_to_do(runs):
+    _, results = runs
+    said = results[0]["unsupported"]
+    assert "ZeRO stage 1, 2 or 3" in said["stage0"] and "tg.Guard" in said["stage0"]
+    assert "deepspeed.initialize" in said["module"]
+    assert all("\n" not in line for line in said.values())
+
+
 def test_the_private_deepspeed_names_still_exist(runs):
     """`trainguard.integrations._deepspeed_private` reads these; a DeepSpeed release that
     renames one fails here first."""
 
-    def missing(result: dict[str, Any]) -> list[str]:
+    def missing(result: Any) -> list[str]:
+        if not isinstance(result, dict):
+            return []
         if "actions" in result:
             return list(result["private_missing"])
         return [name for inner in result.values() for name in missing(inner)]

@@ -261,10 +261,10 @@ class DeepSpeedGuard(Guard):
         self.model = engine.module
         self.optimizer = engine.basic_optimizer
         self.scheduler = engine.lr_scheduler
-        engine.lr_scheduler = None  # stepped by the guard, only on steps it takes
         self.scaler = None
         self.gradients = ZeroGradients(engine)
         Monitor.__init__(self, cfg, run_dir, sinks, device=self.gradients.device)
+        engine.lr_scheduler = None  # stepped by the guard from here on, only on steps it takes
         self.exchange = StepExchange(self.ranks) if self.ranks is not None else None
         self._local_norm = None
         actions = EngineActions(engine, self.scheduler)
