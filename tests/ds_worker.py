@@ -141,6 +141,7 @@ def train(
         "scales": scales,
         "norms": norms,
         "private_missing": missing,
+        "exchange_calls": guard.exchange.calls if guard is not None and guard.exchange else 0,
         "engine_steps": engine.global_steps,
     }
 

@@ -29,8 +29,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(run, args=(WORLD, list(SCENARIOS), str(out), port), nprocs=WORLD, join=True)
+    with pytest.MonkeyPatch.context() as patch:  # the workers' setting, not the session's
+        patch.setenv("OMP_NUM_THREADS", "1")
+        mp.spawn(run, args=(WORLD, list(SCENARIOS), str(out), port), nprocs=WORLD, join=True)
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -115,6 +116,7 @@ def test_a_clean_run_is_left_alone(runs, stage):
         guarded, plain = r["clean"]["guarded"][stage], r["clean"]["plain"][stage]
         assert not_stepped(guarded) == []
         assert len(guarded["norms"]) == guarded["engine_steps"] == 30
+        assert guarded["exchange_calls"] == 30  # one collective a step, none a micro-batch
         assert guarded["weights"] == plain["weights"]  # bit for bit the engine's own run
         # the guard's norm, measured before the engine clips, is the engine's own
         for ours, engines in guarded["norms"]:
