@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/curves.py
 	$(BIN)/python benchmarks/distributed.py
 	$(BIN)/python benchmarks/replicas.py
+	$(BIN)/python benchmarks/deepspeed_zero.py
 	$(BIN)/python benchmarks/alerts.py
 	$(BIN)/python benchmarks/detection.py
 	$(BIN)/python benchmarks/faults.py
