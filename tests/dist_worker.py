@@ -322,8 +322,40 @@ def replicas_three(rank: int, world: int, out: Path) -> dict[str, Any]:
 def replicas_two(rank: int, world: int, out: Path) -> dict[str, Any]:
     return replica_job(rank, world, out, 30, tamper=[(1, 7, "weight")])
 
+def timed_checkpoint(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Checkpoints every 60 s of wall time and never by steps, on injected clocks: rank 1's
+    moves 25 s a step, rank 0's stands still; the steps each rank checkpointed."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, data = model_and_data(rank, 10)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    recovery = {"checkpoint_every": 0, "checkpoint_every_s": 60.0, "keep_checkpoints": 10}
+    cfg = tg.GuardConfig.from_dict({"console": False, "recovery": recovery})
+    guard = tg.Guard(ddp, opt, config=cfg, run_dir=out)
+    clock = {"now": 0.0}
+    guard.checkpoint_clock = lambda: clock["now"]
+    saved_at: list[int] = []
+    save = guard.save_checkpoint
+
+    def recorded() -> None:
+        saved_at.append(guard.global_step)
+        save()
+
+    guard.save_checkpoint = recorded  # type: ignore[method-assign]
+    actions = []
+    for x, y in guard.batches(data):
+        loss = nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        actions.append(guard.step(loss).action)
+        clock["now"] += 25.0 if rank == 1 else 0.0
+    guard.close()
+    return {"saved_at": saved_at, "actions": actions}
+
 
 SCENARIOS = {
+    "timed_checkpoint": timed_checkpoint,
     "fsdp_checkpoint": fsdp_checkpoint,
     "nan_on_rank1": nan_on_rank1,
     "toxic_on_rank2": toxic_on_rank2,

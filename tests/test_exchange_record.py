@@ -21,6 +21,7 @@ def _row(rank: int, groups: int, own_sq: float) -> RankRow:
         own_sq=torch.tensor(own_sq),
         step_time=torch.tensor(base + 3),
         data_wait=torch.tensor(base + 4),
+        checkpoint_due=torch.tensor(float(rank == 1)),
         group_shard_sq=torch.arange(groups, dtype=torch.float32) + base,
     )
 
@@ -28,9 +29,10 @@ def _row(rank: int, groups: int, own_sq: float) -> RankRow:
 def test_pack_unpack_round_trip() -> None:
     rows = [_row(r, groups=4, own_sq=float(r * r)) for r in range(3)]
     packed = [row.pack() for row in rows]
-    assert all(p.dtype == torch.float32 and p.shape == (6 + 4,) for p in packed)
+    assert all(p.dtype == torch.float32 and p.shape == (7 + 4,) for p in packed)
     columns = RankColumns.unpack(torch.stack(packed))  # what the all-gather returns
-    for name in ("loss", "nonfinite", "shard_sq", "own_sq", "step_time", "data_wait"):
+    names = ("loss", "nonfinite", "shard_sq", "own_sq", "step_time", "data_wait", "checkpoint_due")
+    for name in names:
         assert torch.equal(getattr(columns, name), torch.stack([getattr(r, name) for r in rows]))
     assert torch.equal(columns.group_shard_sq, torch.stack([r.group_shard_sq for r in rows]))
 
@@ -40,7 +42,8 @@ def test_per_rank_figures_reach_the_point_by_name() -> None:
     columns = RankColumns.unpack(torch.stack([row.pack() for row in rows]))
     exchange = StepExchange(RankContext(3, 3, ["a", "b", "c"], torch.device("cpu")))
     point = MetricPoint(step=0, loss=0.0)
-    exchange.add_rank_figures(point, columns.per_rank().tolist())
+    exchange.add_rank_figures(point, [*columns.per_rank().tolist(), 1.0])
+    assert exchange.checkpoint_due  # rank 1's clock said so: due on every rank
     assert point.rank_losses == [11.0, 21.0, 31.0]
     assert point.rank_grad_norms == [1.0, 2.0, 3.0]
     assert point.rank_step_times == [13.0, 23.0, 33.0]
@@ -52,6 +55,7 @@ def test_no_ddp_hook_leaves_rank_grad_norms_out() -> None:
     columns = RankColumns.unpack(torch.stack([row.pack() for row in rows]))
     exchange = StepExchange(RankContext(0, 2, ["a", "a"], torch.device("cpu")))
     point = MetricPoint(step=0, loss=0.0)
-    exchange.add_rank_figures(point, columns.per_rank().tolist())
+    exchange.add_rank_figures(point, [*columns.per_rank().tolist(), 0.0])
+    assert not exchange.checkpoint_due
     assert point.rank_grad_norms is None
     assert point.rank_losses == [11.0, 21.0]

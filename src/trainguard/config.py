@@ -522,6 +522,14 @@ class RecoveryConfig(_Section):
     checkpoint_every: int = Field(
         500, ge=0, description="Steps between durable checkpoints in run_dir; 0 turns them off."
     )
+    checkpoint_every_s: float | None = Field(
+        None,
+        gt=0,
+        description="Wall-clock seconds between durable checkpoints in run_dir (e.g. 1800), "
+        "whichever of this and `checkpoint_every` comes first; None: by steps only. In a "
+        "distributed run every rank checkpoints at the same step: the first rank whose clock "
+        "says it is due makes it due on all (decided in the step's exchange).",
+    )
     keep_checkpoints: int = Field(3, ge=1, description="Newest complete checkpoints kept.")
     async_checkpoints: bool = Field(
         True, description="Write checkpoints in the background; training blocks only to stage."

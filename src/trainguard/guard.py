@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +135,8 @@ class Guard(Monitor):
                 store, model, optimizer, scheduler, scaler, self.ranks, self._warn
             )
         self._resume_data: dict[str, Any] | None = None
+        self.checkpoint_clock: Callable[[], float] = time.monotonic  # seconds; tests replace it
+        self._last_checkpoint_at: float | None = None  # on the clock: the last one, or the start
         self._size_confirmation()
         self.findings: list[Finding] = []
         if cfg.diagnosis.lint and model is not None and self._training is not None:
@@ -220,6 +223,7 @@ class Guard(Monitor):
         parts.actions.unscale()
         measurement = parts.stats.measure(loss, parts.optimizer, self.scaler)
         batches = self.recovery.batches
+        checkpoint_due = self._checkpoint_due_by_time()
         if self.exchange is not None:  # every rank's named row, in the step's one collective
             self.exchange.share(
                 measurement,
@@ -227,6 +231,7 @@ class Guard(Monitor):
                 ready_at=batches.ready_at if batches is not None else None,
                 data_wait=batches.data_wait if batches is not None else 0.0,
                 last_step_time=self.recorder.last_step_time,
+                checkpoint_due=checkpoint_due,
             )
         parts.actions.clip(parts.stats.params, measurement.total_norm)
         signals = parts.stats.resolve(measurement)
@@ -236,6 +241,7 @@ class Guard(Monitor):
             point.routing = routing.to_point()
         if self.exchange is not None:
             self.exchange.add_rank_figures(point, signals.extra)
+            checkpoint_due = self.exchange.checkpoint_due  # any rank's clock: due on all
         # detect and decide
         decision, events = self._decide(
             point, batch_ids, self.recovery.has_target, parts.stats.group_report
@@ -258,7 +264,7 @@ class Guard(Monitor):
             parts.stats.after_optimizer_step(step)
             events += self._publish(self.recovery.cut_lr(decision))
             self.recovery.maybe_snapshot(self.global_step)
-            self._maybe_checkpoint()
+            self._maybe_checkpoint(checkpoint_due)
         else:
             parts.stats.discard_update()
             parts.actions.skip()
@@ -371,11 +377,25 @@ class Guard(Monitor):
         return self.checkpointing.store if self.checkpointing is not None else None
 
     # -- durable checkpoints ----------------------------------------------------------------------
-    def _maybe_checkpoint(self) -> None:
+    def _checkpoint_due_by_time(self) -> bool:
+        """Whether `recovery.checkpoint_every_s` seconds have passed on this rank's clock since
+        the last checkpoint (or the first step)."""
+        every_s = self.config.recovery.checkpoint_every_s
+        if every_s is None or self.checkpointing is None:
+            return False
+        now = self.checkpoint_clock()
+        if self._last_checkpoint_at is None:
+            self._last_checkpoint_at = now
+        return now - self._last_checkpoint_at >= every_s
+
+    def _maybe_checkpoint(self, due_by_time: bool) -> None:
+        """A checkpoint every `checkpoint_every` steps, or where the time is due (agreed by every
+        rank in a distributed run), whichever comes first."""
         every = self.config.recovery.checkpoint_every
-        if self.checkpointing is None or not every or self.global_step % every:
+        if self.checkpointing is None:
             return
-        self.save_checkpoint()
+        if due_by_time or (every and self.global_step % every == 0):
+            self.save_checkpoint()
 
     def save_checkpoint(self) -> None:
         """Write a durable checkpoint of the state at the start of the next step (asynchronous
@@ -386,6 +406,7 @@ class Guard(Monitor):
                 "Guard(model, optimizer, ..., run_dir=...)"
             )
         step = self.global_step
+        self._last_checkpoint_at = self.checkpoint_clock()  # the time interval counts from here
         known_good = self.recovery.healthy_window(step)
         actions = self.recovery.actions
         manifest = {

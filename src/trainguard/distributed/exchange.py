@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from trainguard.signals.gradients import Measurement
 
 # the scalar fields of a row, in their place in the gathered tensor; the groups' block follows
-_SCALARS = ("loss", "nonfinite", "shard_sq", "own_sq", "step_time", "data_wait")
+_SCALARS = ("loss", "nonfinite", "shard_sq", "own_sq", "step_time", "data_wait", "checkpoint_due")
 # the per-rank figures that reach the host, in their order within each rank's part of `extra`
 _PER_RANK = ("loss", "own_sq", "step_time", "data_wait")
 
@@ -33,6 +33,7 @@ class RankRow:
     own_sq: torch.Tensor  # squared norm of its gradients before DDP averages them; NaN: unmeasured
     step_time: torch.Tensor  # seconds of data wait and compute
     data_wait: torch.Tensor
+    checkpoint_due: torch.Tensor  # 1 where this rank's clock says a timed checkpoint is due
     group_shard_sq: torch.Tensor  # `shard_sq` per layer group
 
     def pack(self) -> torch.Tensor:
@@ -54,6 +55,7 @@ class RankColumns:
     own_sq: torch.Tensor
     step_time: torch.Tensor
     data_wait: torch.Tensor
+    checkpoint_due: torch.Tensor
     group_shard_sq: torch.Tensor
 
     @classmethod
@@ -77,6 +79,7 @@ class StepExchange:
     def __init__(self, context: RankContext) -> None:
         self.context = context
         self.calls = 0  # collectives made, for tests and benchmarks
+        self.checkpoint_due = False  # whether any rank's clock said a checkpoint is due
 
     def gather(self, vector: torch.Tensor) -> torch.Tensor:
         ctx = self.context
@@ -95,10 +98,12 @@ class StepExchange:
         ready_at: float | None,
         data_wait: float,
         last_step_time: float | None,
+        checkpoint_due: bool = False,
     ) -> None:
         """The step's one collective: every rank's loss, non-finite count, shard norms, own
-        gradient norm before the reduction (from the DDP `hook`) and timings; the measurement's
-        figures become global, and the per-rank ones ride along in `m.extra` to the host.
+        gradient norm before the reduction (from the DDP `hook`), timings and whether its clock
+        says a checkpoint is due; the measurement's figures become global, and the per-rank ones
+        (then whether any rank's checkpoint is due) ride along in `m.extra` to the host.
 
         The step's compute runs from when its batch was ready (`ready_at`, else the end of the
         last step) to when the hook saw its first bucket (else now)."""
@@ -108,7 +113,9 @@ class StepExchange:
         start = ready_at if ready_at is not None else last_step_time
         end = hook.first_ready if hook is not None and hook.first_ready is not None else now
         compute = end - start if start is not None else math.nan
-        timing = torch.tensor([data_wait + compute, data_wait], device=device)
+        timing = torch.tensor(
+            [data_wait + compute, data_wait, float(checkpoint_due)], device=device
+        )
         loss, nonfinite = m.rank_figures()
         assert m.shard_sq is not None and m.group_shard_sq is not None
         row = RankRow(
@@ -118,6 +125,7 @@ class StepExchange:
             own_sq=own_sq if own_sq is not None else torch.full((), math.nan, device=device),
             step_time=timing[0],
             data_wait=timing[1],
+            checkpoint_due=timing[2],
             group_shard_sq=m.group_shard_sq,
         )
         columns = RankColumns.unpack(self.gather(row.pack()).to(device))
@@ -127,13 +135,15 @@ class StepExchange:
             shard_sq=columns.shard_sq,
             group_shard_sq=columns.group_shard_sq,
         )
-        m.extra = columns.per_rank()
+        m.extra = torch.cat([columns.per_rank(), columns.checkpoint_due.max().reshape(1)])
         if hook is not None:
             hook.reset()
 
     def add_rank_figures(self, point: "MetricPoint", extra: list[float]) -> None:
         """Per-rank columns of the exchange, once on the host (`StepSignals.extra`): each rank's
-        loss, own gradient norm (left out when no DDP hook measured any), step time, data wait."""
+        loss, own gradient norm (left out when no DDP hook measured any), step time, data wait;
+        then whether a timed checkpoint is due on every rank."""
+        self.checkpoint_due = bool(extra[-1] > 0)
         width = len(_PER_RANK)
         rows = [extra[r * width : (r + 1) * width] for r in range(self.context.world_size)]
         column = {name: [row[i] for row in rows] for i, name in enumerate(_PER_RANK)}
