@@ -354,7 +354,37 @@ def timed_checkpoint(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {"saved_at": saved_at, "actions": actions}
 
 
+def exchange_compare(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """The same planted faults through the `gather` and the `reduce` exchange: a NaN loss on
+    rank 1 at step 30, rank 2's loss x50 at steps 60-65 (rolled back), rank 1 a straggler
+    over the first 40 steps; and a clean run of each."""
+
+    def fault(r: int, step: int, loss: torch.Tensor) -> torch.Tensor:
+        if r == 1 and step == 30:
+            return loss * float("nan")
+        return loss * 50.0 if (r == 2 and 60 <= step < 66) else loss
+
+    def sleep(r: int, step: int) -> float:  # far over the noise of a busy 2-core machine
+        return 0.12 if r == 1 and step < 40 else 0.0
+
+    found: dict[str, Any] = {}
+    for mode in ("gather", "reduce"):
+        config = {
+            "ranks": {"exchange": mode},
+            "recovery": {"snapshot_every": 20, "rollback_margin": 5},
+            "straggler": {"every": 10, "windows": 2, "factor": 1.5},
+            "diagnosis": {"trace_every": 1},
+        }
+        (out / mode).mkdir(exist_ok=True)
+        (out / f"{mode}-clean").mkdir(exist_ok=True)
+        found[mode] = ddp_job(rank, world, out / mode, 90, config, fault=fault, sleep=sleep)
+        clean = {"ranks": {"exchange": mode}, "diagnosis": {"trace_every": 1}}
+        found[f"{mode}-clean"] = ddp_job(rank, world, out / f"{mode}-clean", 60, clean)
+    return found
+
+
 SCENARIOS = {
+    "exchange_compare": exchange_compare,
     "timed_checkpoint": timed_checkpoint,
     "fsdp_checkpoint": fsdp_checkpoint,
     "nan_on_rank1": nan_on_rank1,

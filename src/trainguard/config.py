@@ -243,6 +243,14 @@ class RanksConfig(_Section):
     run's own history never showed (each rank's normal spread is learned from the run)."""
 
     enabled: bool = Field(True, description="Compare the ranks of a distributed run step by step.")
+    exchange: Literal["reduce", "gather"] = Field(
+        "reduce",
+        description="How the ranks share each step's figures: `reduce`, two fixed-size "
+        "reductions (a SUM, then a MAX that names the worst rank) whose cost does not grow "
+        "with the world, each rank judged against its own line and the others' geometric mean; "
+        "`gather`, an all-gather of one row per rank judged against the median of the others "
+        "(the earlier exchange, kept for comparison; it grows with the world).",
+    )
     ratio_threshold: float = Field(
         3.0,
         gt=1,

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -27,10 +27,11 @@ from trainguard.checkpointing import Checkpointing
 from trainguard.config import GuardConfig
 from trainguard.detectors import DetectorSuite, MetricPoint
 from trainguard.detectors.loss_spike import LossSpikeDetector
-from trainguard.detectors.ranks import RankOutlierDetector
+from trainguard.detectors.ranks import RankOutlierDetector, StragglerDetector
 from trainguard.diagnosis.lint import Finding
 from trainguard.diagnosis.step_diagnosis import StepDiagnosis
 from trainguard.distributed import LocalGradNorm, StepExchange, local_grad_norm_hook
+from trainguard.distributed.reduce import ReduceExchange
 from trainguard.distributed.replicas import ReplicaFingerprint
 from trainguard.events import Decision, Event, EventKind, TrainguardError
 from trainguard.moe.routing import RoutingStats
@@ -41,6 +42,7 @@ from trainguard.recovery import Recovery
 from trainguard.signals import GradientStats, StepSignals
 from trainguard.sinks import Sink
 
+_D = TypeVar("_D")
 UNREWOUND_CONFIRM_STEPS = 2  # far-up steps that confirm an explosion where data goes on
 
 
@@ -97,7 +99,13 @@ class Guard(Monitor):
         super().__init__(
             cfg, run_dir, sinks, device=stats.device if stats is not None else None
         )  # the detectors, policy, ranks, enrichment and recorder; opens the files below
-        self.exchange = StepExchange(self.ranks) if self.ranks is not None else None
+        self.exchange: StepExchange | ReduceExchange | None = None
+        if self.ranks is not None and cfg.ranks.exchange == "gather":
+            self.exchange = StepExchange(self.ranks)
+        elif self.ranks is not None:  # each rank judged by the live detectors' own lines
+            self.exchange = ReduceExchange(
+                self.ranks, self._live(RankOutlierDetector), self._live(StragglerDetector)
+            )
         self._local_norm: LocalGradNorm | None = None
         if self.ranks is not None and isinstance(model, DistributedDataParallel):
             self._local_norm = LocalGradNorm(self.ranks.group)
@@ -182,6 +190,10 @@ class Guard(Monitor):
 
     def _close_files(self) -> None:
         self.quarantine.close()
+
+    def _live(self, kind: type[_D]) -> _D | None:
+        """The live detector of `kind`, None where it is off."""
+        return next((d for d in self.detectors.detectors if isinstance(d, kind)), None)
 
     def _rank_judge(self) -> RankOutlierDetector:
         """The live rank detector, which judges a replay by what the run taught it."""

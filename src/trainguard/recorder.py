@@ -3,6 +3,7 @@ and every other sink; counts what was recorded, and times each step."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -122,6 +123,8 @@ class Recorder:
                 "step_time_s": point.rank_step_times,
                 "data_wait_s": point.rank_data_waits,
             }
+        if point.rank_metrics is not None:  # the reduce exchange: bounded at any world size
+            record["ranks"] = rank_summary(point)
         if events:
             record["events"] = [e.kind for e in events]
         record = _json_number(record)
@@ -152,6 +155,31 @@ class Recorder:
         finally:
             if self.run_lock is not None:
                 self.run_lock.release()
+
+
+def rank_summary(point: MetricPoint) -> dict[str, Any]:
+    """A `reduce` exchange's per-rank figures as the metrics record keeps them: per figure the
+    ranks' geometric mean, highest and lowest with their ranks and the non-finite count; the
+    ranks' mean step time and data wait and the slowest rank."""
+    summary: dict[str, Any] = {}
+    for name, figure in (point.rank_metrics or {}).items():
+        summary[name] = {
+            "geo_mean": math.exp(figure.mean_log) if figure.positive else None,
+            "high": figure.high,
+            "high_rank": figure.high_rank,
+            "low": figure.low,
+            "low_rank": figure.low_rank,
+            "nonfinite": figure.nonfinite,
+        }
+    timing = point.rank_timing
+    if timing is not None:
+        summary["step_time_s"] = {
+            "mean": timing.mean,
+            "high": timing.high,
+            "high_rank": timing.high_rank,
+        }
+        summary["data_wait_s"] = {"mean": timing.mean_wait}
+    return summary
 
 
 def action_counts(state: dict[str, Any]) -> dict[str, int]:

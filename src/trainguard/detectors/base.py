@@ -16,6 +16,51 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class RankMetric:
+    """A per-rank figure (a loss, an own grad norm) of a distributed step as the `reduce`
+    exchange gives it: summaries over every rank, the worst rank, and the ranks a reduction
+    pointed at; `own` is this rank's alone (what it learns its normal line from)."""
+
+    world: int
+    mean_log: float  # mean over the ranks of log(value), where every value is finite and > 0
+    positive: bool  # every rank's value finite and over 0: log-ratios are defined
+    nonfinite: int  # ranks whose value is not finite
+    worst: float  # the largest rank's robust z (inf: over the warm-up ratio; -inf: none)
+    worst_rank: int
+    reach: float  # the furthest any rank reached in its window, in its robust deviations
+    high: float  # the largest finite value, and its rank
+    high_rank: int
+    low: float
+    low_rank: int
+    own: float  # this rank's log-ratio to the others' centre
+    # the ranks out of line (or non-finite): (rank, value, z), the worst first, `MAX_NAMED` at most
+    named: list[tuple[int, float, float]] = field(default_factory=list)
+    more: bool = False  # more ranks than named were out of line
+
+    def others_centre(self, value: float) -> float:
+        """The geometric mean of the other ranks' values, against a rank's `value`."""
+        if self.world < 2 or not value > 0:
+            return math.nan
+        return math.exp((self.mean_log * self.world - math.log(value)) / (self.world - 1))
+
+
+@dataclass
+class RankTiming:
+    """The ranks' step times of a distributed step as the `reduce` exchange gives them."""
+
+    world: int
+    mean: float  # over the ranks (NaN where any rank's is unknown)
+    high: float  # the slowest rank's, and its rank
+    high_rank: int
+    mean_wait: float
+    own: float  # this rank's step time and data wait
+    own_wait: float
+    own_slow: bool  # at a window's end: whether this rank's window was slow
+    # stragglers to report at this window's end: (rank, mean step time, mean data wait, windows)
+    named: list[tuple[int, float, float, int]] = field(default_factory=list)
+
+
+@dataclass
 class MetricPoint:
     """The figures of one step that detectors read; any of them may be missing."""
 
@@ -35,6 +80,9 @@ class MetricPoint:
     rank_grad_norms: list[float] | None = None
     rank_step_times: list[float] | None = None  # data wait + compute up to the first reduction
     rank_data_waits: list[float] | None = None
+    # the same figures as the `reduce` exchange gives them: summaries and the ranks pointed at
+    rank_metrics: dict[str, RankMetric] | None = None
+    rank_timing: RankTiming | None = None
     routing: dict[str, float] | None = None  # a MoE router's health (`RoutingStats.to_point`)
     # a replica check's outcome: None where none was made, {} where every replica agreed, else
     # per layer group where they differ each rank's class (ranks of one class hold equal weights)

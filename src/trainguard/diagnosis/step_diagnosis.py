@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainguard.actions.snapshots import rng_state, set_rng_state
 from trainguard.config import GuardConfig
-from trainguard.detectors.ranks import RankOutlierDetector
+from trainguard.detectors.ranks import METRICS, OwnRule, RankOutlierDetector
 from trainguard.diagnosis.lint import Finding, lint
 from trainguard.diagnosis.nonfinite_trace import NonFiniteReport, trace_nonfinite
 from trainguard.diagnosis.spike_samples import blame_samples
@@ -186,20 +186,26 @@ class StepDiagnosis:
             report.transient,
             report.describe(),
             origin_metrics(report),
+            [vars(self.rank_judge.own_rule(m)) for m in METRICS],  # its own line (reduce)
         )
         everyone: list[Any] = [None] * self.ranks.world_size
         torch.distributed.all_gather_object(everyone, mine, group=self.ranks.group)
         events = [
             _origin_event(decision, report, rank, text, metrics)
-            for rank, (loss, _, transient, text, metrics) in enumerate(everyone)
+            for rank, (loss, _, transient, text, metrics, _) in enumerate(everyone)
             if not transient or not math.isfinite(loss)
         ]
+        rules = [[OwnRule(**rule) for rule in e[5]] for e in everyone]
         return events + self._judge_ranks(
-            decision, [float(e[0]) for e in everyone], [float(e[1]) for e in everyone]
+            decision, [float(e[0]) for e in everyone], [float(e[1]) for e in everyone], rules
         )
 
     def _judge_ranks(
-        self, decision: Decision, losses: list[float], grad_norms: list[float]
+        self,
+        decision: Decision,
+        losses: list[float],
+        grad_norms: list[float],
+        rules: list[list[OwnRule]],
     ) -> list[Event]:
         """Each rank a per-rank check named: suspect when its replayed loss or own grad norm is
         out of line again by the run's learned rule (a lasting fault: silent data corruption,
@@ -208,8 +214,14 @@ class StepDiagnosis:
         if all(math.isnan(v) for v in grad_norms):  # no DDP hook: only the loss can be judged
             del replayed["grad_norm"]
         again: dict[int, list[str]] = {}
+        reduced = self.config.ranks.exchange == "reduce"
         for metric, values in replayed.items():
-            for rank, *_ in self.rank_judge.judge(metric, values):
+            if reduced:  # each rank's own line, against the others' geometric mean
+                own = [rank_rules[METRICS.index(metric)] for rank_rules in rules]
+                found = self.rank_judge.judge_replay(metric, values, own)
+            else:
+                found = [rank for rank, *_ in self.rank_judge.judge(metric, values)]
+            for rank in found:
                 again.setdefault(rank, []).append(metric)
         judged = " and ".join(m.replace("_", " ") for m in replayed)
         judged += " were" if len(replayed) > 1 else " was"
