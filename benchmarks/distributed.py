@@ -5,7 +5,8 @@ same processes, taking turns step by step so machine noise falls on both alike:
 
 - plain DDP: forward, backward (DDP's all-reduce), clip_grad_norm_(1.0), optimizer.step()
 - guarded DDP: forward, backward (through the guard's DDP hook), guard.step(loss): the
-  per-rank statistics, one all-gather, the detectors and the decision
+  per-rank statistics, the exchange (a SUM and a MAX of fixed size), the detectors and the
+  decision
 
 Run: python benchmarks/distributed.py [--steps 40] [--no-write]
 """
@@ -91,9 +92,9 @@ def main() -> None:
             f"| plain DDP (clip_grad_norm_) | {plain * 1000:.1f} | 1.000 |",
             f"| DDP + trainguard Guard | {guard * 1000:.1f} | {guard / plain:.3f} |",
             "",
-            f"The guard made {ranks[0]['calls']} all-gathers for {args.steps + 5} steps: one per "
-            "step, carrying every rank's loss, own gradient norm before the reduction, "
-            "non-finite count, shard norms and timings.",
+            f"The guard made {ranks[0]['calls']} collectives for {args.steps + 5} steps: a SUM "
+            "and a MAX a step, carrying the ranks' loss, own gradient norms before the "
+            "reduction, non-finite counts, shard norms and timings.",
         ]
     )
     print(body)

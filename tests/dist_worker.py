@@ -356,11 +356,11 @@ def timed_checkpoint(rank: int, world: int, out: Path) -> dict[str, Any]:
 
 def exchange_compare(rank: int, world: int, out: Path) -> dict[str, Any]:
     """The same planted faults through the `gather` and the `reduce` exchange: a NaN loss on
-    rank 1 at step 30, rank 2's loss x50 at steps 60-65 (rolled back), rank 1 a straggler
-    over the first 40 steps; and a clean run of each."""
+    rank 1 at step 30 and on ranks 0 and 2 at step 45 (two named), rank 2's loss x50 at steps
+    60-65 (rolled back), rank 1 a straggler over the first 40 steps; and a clean run of each."""
 
     def fault(r: int, step: int, loss: torch.Tensor) -> torch.Tensor:
-        if r == 1 and step == 30:
+        if (r == 1 and step == 30) or (r != 1 and step == 45):
             return loss * float("nan")
         return loss * 50.0 if (r == 2 and 60 <= step < 66) else loss
 
@@ -379,7 +379,7 @@ def exchange_compare(rank: int, world: int, out: Path) -> dict[str, Any]:
         (out / f"{mode}-clean").mkdir(exist_ok=True)
         found[mode] = ddp_job(rank, world, out / mode, 90, config, fault=fault, sleep=sleep)
         clean = {"ranks": {"exchange": mode}, "diagnosis": {"trace_every": 1}}
-        found[f"{mode}-clean"] = ddp_job(rank, world, out / f"{mode}-clean", 60, clean)
+        found[f"{mode}-clean"] = ddp_job(rank, world, out / f"{mode}-clean", 40, clean)
     return found
 
 

@@ -35,14 +35,15 @@ def test_reduce_and_gather_find_the_same_faults_and_act_alike(tmp_path):
         (step, kind, severity, ranks and tuple(ranks)) for step, kind, severity, _, ranks in faulty
     }
     assert (30, "rank_outlier", "critical", (1,)) in kinds  # the NaN on rank 1
+    assert (45, "rank_outlier", "critical", (0, 2)) in kinds  # two ranks named in two rounds
     assert (60, "rank_outlier", "warning", (2,)) in kinds  # rank 2's loss x50
     assert any(k == "straggler" and ranks == (1,) for _, k, _, ranks in kinds)
     assert any(k == "rollback" for _, k, _, _ in kinds)
     actions = dict(map(tuple, results[0]["reduce"]["actions"]))
-    assert actions[30] == "skip"
+    assert actions[30] == "skip" and actions[45] != "step"
     clean = findings(tmp_path / "reduce-clean")
     assert [f for f in clean if f[1] in ("rank_outlier", "straggler")] == []
     assert {a for _, a in results[0]["reduce-clean"]["actions"]} == {"step"}
     # the reduce exchange: a SUM and a MAX a step, and rare rounds on the steps it named ranks
     calls = [r["reduce-clean"]["exchange_calls"] for r in results]
-    assert calls == [2 * 60] * 3
+    assert calls == [2 * 40] * 3

@@ -10,6 +10,7 @@ import torch
 from trainguard.detectors import MetricPoint
 from trainguard.distributed.context import RankContext
 from trainguard.distributed.exchange import RankColumns, RankRow, StepExchange
+from trainguard.distributed.reduce import from_raw_bits, pack, raw_bits, unpack
 
 
 def _row(rank: int, groups: int, own_sq: float) -> RankRow:
@@ -59,3 +60,24 @@ def test_no_ddp_hook_leaves_rank_grad_norms_out() -> None:
     assert not exchange.checkpoint_due
     assert point.rank_grad_norms is None
     assert point.rank_losses == [11.0, 21.0]
+
+
+def test_packed_keys_reduce_by_value_then_by_the_lowest_rank() -> None:
+    values = torch.tensor([-math.inf, -2.5, -1e-30, 0.0, 1e-30, 3.0, 7.25, math.inf])
+    packed = [pack(values[i : i + 1], rank=5 - i % 3) for i in range(len(values))]
+    order = [int(torch.argmax(torch.stack(packed[: k + 1]))) for k in range(len(values))]
+    assert order == list(range(len(values)))  # each larger value wins over all before it
+    decoded, ranks = unpack(torch.cat(packed))
+    assert decoded.tolist() == values.tolist() and ranks.tolist() == [5, 4, 3, 5, 4, 3, 5, 4]
+    tie = torch.maximum(pack(torch.tensor([2.0]), 7), pack(torch.tensor([2.0]), 3))
+    assert unpack(tie)[1].tolist() == [3]  # a tie names the lowest rank
+    nan = unpack(pack(torch.tensor([math.nan]), 0))[0]
+    assert nan.tolist() == [-math.inf]  # NaN never wins a MAX
+
+
+def test_a_named_ranks_figures_pass_a_max_unchanged() -> None:
+    figures = torch.tensor([math.nan, -0.0, 1.5, -math.inf])
+    sent = raw_bits(figures)
+    others = torch.full_like(sent, -(2**63))
+    received = from_raw_bits(torch.maximum(sent, others))
+    assert torch.equal(received.view(torch.int32), figures.view(torch.int32))

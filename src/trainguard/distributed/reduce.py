@@ -60,14 +60,15 @@ def from_order_bits(keys: torch.Tensor) -> torch.Tensor:
 def pack(values: torch.Tensor, rank: int) -> torch.Tensor:
     """Each value with `rank` in one int64 whose MAX over ranks is the largest value and, on a
     tie, the lowest rank; NaN counts as -inf."""
-    clean = torch.nan_to_num(values.to(torch.float32), nan=-math.inf)
+    values = values.to(torch.float32)
+    clean = torch.where(torch.isnan(values), -math.inf, values)
     return order_bits(clean) * _LOW + (RANK_LIMIT - rank)
 
 
 def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The values and ranks `pack` put into the int64s."""
-    keys = torch.div(packed, _LOW, rounding_mode="floor")
-    return from_order_bits(keys), RANK_LIMIT - (packed - keys * _LOW)
+    keys = torch.bitwise_right_shift(packed, 32)  # arithmetic: the sign stays
+    return from_order_bits(keys), RANK_LIMIT - torch.bitwise_and(packed, 0xFFFFFFFF)
 
 
 def raw_bits(values: torch.Tensor) -> torch.Tensor:
@@ -147,7 +148,7 @@ class ReduceExchange:
         valid = finite & (values > 0)
         logs = torch.where(valid, values.abs().clamp_min(1e-300).log(), 0.0)
         groups = m.group_shard_sq.numel()
-        sums = torch.cat(
+        sent = torch.cat(  # float32, as the all-gather's rows were: 4 bytes a figure
             [
                 loss.to(device, f64).reshape(1),
                 m.shard_sq.to(device, f64).reshape(1),
@@ -158,8 +159,9 @@ class ReduceExchange:
                 measured,
                 host[:2],
             ]
-        )
-        self._reduce(sums, dist.ReduceOp.SUM)
+        ).to(torch.float32)
+        self._reduce(sent, dist.ReduceOp.SUM)
+        sums = sent.to(f64)
         pos = 2 + groups
         log_sum, n_valid = sums[pos : pos + 2], sums[pos + 2 : pos + 4]
         times = sums[pos + 8 : pos + 10]
