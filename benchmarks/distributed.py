@@ -8,7 +8,7 @@ same processes, taking turns step by step so machine noise falls on both alike:
   per-rank statistics, the exchange (a SUM and a MAX of fixed size), the detectors and the
   decision
 
-Run: python benchmarks/distributed.py [--steps 40] [--no-write]
+Run: python benchmarks/distributed.py [--steps 40] [--exchange reduce|gather] [--no-write]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from _common import gpt, write_section
 from trainguard.demo import MarkovCorpus
 
 
-def worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
+def worker(rank: int, world: int, port: int, steps: int, out: str, exchange: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -42,7 +42,9 @@ def worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
     guard_model, guard_opt = gpt()
     plain, guarded = DDP(plain_model), DDP(guard_model)
     run_dir = Path(tempfile.mkdtemp(prefix=f"tg-ddp-{rank}-"))
-    config = tg.GuardConfig.from_dict({"console": False, "recovery": {"checkpoint_every": 0}})
+    config = tg.GuardConfig.from_dict(
+        {"console": False, "recovery": {"checkpoint_every": 0}, "ranks": {"exchange": exchange}}
+    )
     guard = tg.Guard(guarded, guard_opt, config=config, run_dir=run_dir)
     times: dict[str, list[float]] = {"plain": [], "guard": []}
     for i, b in enumerate(batches):
@@ -72,13 +74,14 @@ def worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--exchange", choices=("reduce", "gather"), default="reduce")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(worker, args=(2, port, args.steps, out), nprocs=2, join=True)
+        mp.spawn(worker, args=(2, port, args.steps, out, args.exchange), nprocs=2, join=True)
         ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(2)]
     plain = statistics.median(t for r in ranks for t in r["plain"])
     guard = statistics.median(t for r in ranks for t in r["guard"])
