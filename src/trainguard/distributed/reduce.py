@@ -133,11 +133,16 @@ class ReduceExchange:
         start = ready_at if ready_at is not None else last_step_time
         end = hook.first_ready if hook is not None and hook.first_ready is not None else now
         compute = end - start if start is not None else math.nan
-        host = torch.tensor(
-            [data_wait + compute, data_wait, float(checkpoint_due), float(own_sq is not None)],
-            dtype=f64,
-            device=device,
-        )
+        rules = self._rules()  # this rank's own line, from the detector's state so far
+        figures = [data_wait + compute, data_wait, float(checkpoint_due), float(own_sq is not None)]
+        for name in ("centre", "spread", "lowest", "limit", "reach", "warm"):
+            figures += [float(getattr(rule, name)) for rule in rules]
+        host = torch.tensor(figures, dtype=f64, device=device)  # one copy to the device
+
+        def floats(name: str) -> torch.Tensor:
+            at = 4 + 2 * ("centre", "spread", "lowest", "limit", "reach", "warm").index(name)
+            return host[at : at + 2]
+
         loss, nonfinite = m.rank_figures()
         assert m.shard_sq is not None and m.group_shard_sq is not None
         nan = torch.full((), math.nan, dtype=f64, device=device)
@@ -168,16 +173,11 @@ class ReduceExchange:
 
         # this rank against its own line: its log-ratio to the others' centre, as a robust z
         d = logs - (log_sum - logs) / (world - 1)
-        rules = self._rules()
-
-        def floats(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(r, name) for r in rules], dtype=f64, device=device)
-
         excess = d - floats("centre")
         inf = torch.full((), math.inf, dtype=f64, device=device)
         learned = torch.where(excess > floats("lowest"), excess / floats("spread"), -inf)
         early = torch.where(d > floats("limit"), inf, -inf)
-        warm = torch.tensor([r.warm for r in rules], device=device)
+        warm = floats("warm") > 0
         key_out = torch.where(warm, learned, early)
         key_out = torch.where(valid & (n_valid == world), key_out, -inf)
         if self.outlier is None:
