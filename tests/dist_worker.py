@@ -322,6 +322,7 @@ def replicas_three(rank: int, world: int, out: Path) -> dict[str, Any]:
 def replicas_two(rank: int, world: int, out: Path) -> dict[str, Any]:
     return replica_job(rank, world, out, 30, tamper=[(1, 7, "weight")])
 
+
 def timed_checkpoint(rank: int, world: int, out: Path) -> dict[str, Any]:
     """Checkpoints every 60 s of wall time and never by steps, on injected clocks: rank 1's
     moves 25 s a step, rank 0's stands still; the steps each rank checkpointed."""
