@@ -29,11 +29,17 @@ def tiny_setup(optimizer: str = "adamw") -> tuple[torch.nn.Module, torch.optim.O
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
 
-def tiny_config() -> tg.GuardConfig:
+def tiny_config(dedup: bool = False) -> tg.GuardConfig:
+    """DCP's own files by default: the damages below are to them (blobs: `dedup`)."""
     return tg.GuardConfig(
         console=False,
         diagnosis={"lint": False},
-        recovery={"checkpoint_every": GOOD, "keep_checkpoints": 5, "async_checkpoints": False},
+        recovery={
+            "checkpoint_every": GOOD,
+            "keep_checkpoints": 5,
+            "async_checkpoints": False,
+            "dedup_checkpoints": dedup,
+        },
     )
 
 

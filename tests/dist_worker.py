@@ -259,12 +259,15 @@ def fsdp_checkpoint(rank: int, world: int, out: Path) -> dict[str, Any]:
 
     cfg = tg.GuardConfig.from_dict({"console": False, "recovery": {"checkpoint_every": 5}})
     model, opt, data = build()
-    first = train(tg.Guard(model, opt, config=cfg, run_dir=out), model, data)
+    guard = tg.Guard(model, opt, config=cfg, run_dir=out)
+    first = train(guard, model, data)
+    written = guard.checkpoints.written.get("written", 0)  # this rank's blobs at step 10
+    guard.close()
     model, opt, data = build()
     guard = tg.Guard.resume(out, model, opt, config=cfg)
     start = guard.global_step
     second = train(guard, model, data)
-    return {"first": first, "second": second, "start": start}
+    return {"first": first, "second": second, "start": start, "written": written}
 
 
 def replica_job(

@@ -33,16 +33,16 @@ def main() -> None:
     torch.set_num_threads(1)
 
     if args.kill_writing is not None:  # die inside the checkpoint writer, files half written
-        from torch.distributed.checkpoint import filesystem
+        from trainguard.actions.checkpoint_blobs import BlobWriter
 
-        original = filesystem._FileSystemWriter.finish
+        original = BlobWriter.finish  # called once every blob is written, before the manifest
 
         def finish(self, *a, **k):  # type: ignore[no-untyped-def]
             if f"step-{args.kill_writing}." in str(self.path):
                 os.kill(os.getpid(), signal.SIGKILL)
             return original(self, *a, **k)
 
-        filesystem._FileSystemWriter.finish = finish  # type: ignore[method-assign]
+        BlobWriter.finish = finish  # type: ignore[method-assign]
 
     data = corpus()
     windows = torch.cat(

@@ -3,6 +3,7 @@ checks, stragglers, and the global grad norm of sharded gradients."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -129,7 +130,15 @@ def test_fsdp2_checkpoints_are_sharded_and_resume_to_the_same_weights(tmp_path):
         assert r["second"] == pytest.approx(r["first"], rel=1e-6)
     step = tmp_path / "checkpoints" / "step-10"
     assert (step / "trainguard-rank0.json").is_file() and (step / "trainguard-rank1.json").is_file()
-    assert len(list(step.glob("*.distcp"))) == 2  # one shard file per rank
+    table = json.loads((step / "tensors.json").read_text())["tensors"]
+    sharded = [v["chunks"] for k, v in table.items() if k.startswith("model.")]
+    assert sharded and all(len(chunks) == 2 for chunks in sharded)  # one shard per rank
+    for chunks in sharded:  # each rank wrote its own shard's blob, named by its bytes
+        for chunk in chunks:
+            blob = tmp_path / "checkpoints" / "blobs" / chunk["blob"][:2] / chunk["blob"]
+            assert blob.stat().st_size == chunk["bytes"]
+            assert hashlib.sha256(blob.read_bytes()).hexdigest() == chunk["blob"]
+    assert [r["written"] > 0 for r in results] == [True, True]  # both ranks wrote blobs
 
 
 def test_three_healthy_ranks_of_32_samples_raise_no_rank_outlier(tmp_path):

@@ -61,21 +61,32 @@ def test_sigkill_while_a_checkpoint_is_written_keeps_the_previous_one(reference,
     assert [p.name for p in CheckpointStore(directory).complete()] == ["step-40"]
     partial = [p for p in directory.iterdir() if p.name.startswith(".step-80.tmp-")]
     assert partial and not (partial[0] / MANIFEST).exists()
+    kept = set(json.loads((directory / "step-40" / MANIFEST).read_text())["blobs"])
+    stored = {p.name for p in (directory / "blobs").glob("*/*")}
+    assert stored - kept  # killed with step 80's blobs written, before its manifest
     assert worker(tmp_path, "--resume") == 0
     events = read_jsonl(tmp_path / "events.jsonl")
     warnings = [e["message"] for e in events if e["kind"] == "checkpoint"]
     assert any("incomplete checkpoint" in w for w in warnings)
     assert [e["metrics"]["step"] for e in events if e["kind"] == "resume"] == [40]
     assert losses(tmp_path) == reference
+    newest = [json.loads((p / MANIFEST).read_text()) for p in CheckpointStore(directory).complete()]
+    used = set().union(*(m["blobs"] for m in newest))
+    assert {p.name for p in (directory / "blobs").glob("*/*")} == used  # orphans collected
 
 
-def _tiny_guard(run_dir: Path) -> tuple[tg.Guard, torch.nn.Module]:
+def _tiny_guard(run_dir: Path, dedup: bool = True) -> tuple[tg.Guard, torch.nn.Module]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     cfg = tg.GuardConfig(
         console=False,
-        recovery={"checkpoint_every": 10, "keep_checkpoints": 2, "async_checkpoints": False},
+        recovery={
+            "checkpoint_every": 10,
+            "keep_checkpoints": 2,
+            "async_checkpoints": False,
+            "dedup_checkpoints": dedup,
+        },
     )
     return tg.Guard.resume(run_dir, model, opt, config=cfg), model
 
@@ -90,14 +101,15 @@ def _train(guard: tg.Guard, model: torch.nn.Module, until: int) -> None:
 
 
 def test_a_corrupt_or_tampered_checkpoint_is_passed_over(tmp_path):
-    guard, model = _tiny_guard(tmp_path)
+    """DCP's own files (`dedup_checkpoints` off); blobs: tests/test_checkpoint_dedup.py."""
+    guard, model = _tiny_guard(tmp_path, dedup=False)
     _train(guard, model, 30)
     guard.close()
     directory = tmp_path / "checkpoints"
     assert [p.name for p in CheckpointStore(directory).complete()] == ["step-30", "step-20"]
     data = directory / "step-30" / "__0_0.distcp"
     data.write_bytes(b"\0" + data.read_bytes()[1:])  # one flipped byte
-    guard, _ = _tiny_guard(tmp_path)
+    guard, _ = _tiny_guard(tmp_path, dedup=False)
     events = read_jsonl(tmp_path / "events.jsonl")
     assert any("fails its checksum" in e["message"] for e in events if e["kind"] == "checkpoint")
     assert guard.global_step == 20
@@ -110,7 +122,7 @@ def test_a_corrupt_or_tampered_checkpoint_is_passed_over(tmp_path):
     manifest["files"][".metadata"] = file_digest(evil / ".metadata", 20)
     (evil / MANIFEST).write_text(json.dumps(manifest))
     shutil.rmtree(directory / "step-30")
-    guard, _ = _tiny_guard(tmp_path)
+    guard, _ = _tiny_guard(tmp_path, dedup=False)
     assert not (tmp_path / "pwned").exists()
     assert guard.global_step == 0  # nothing usable was left: a fresh start, with a warning
     messages = [e["message"] for e in read_jsonl(tmp_path / "events.jsonl")]

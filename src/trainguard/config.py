@@ -542,6 +542,12 @@ class RecoveryConfig(_Section):
     async_checkpoints: bool = Field(
         True, description="Write checkpoints in the background; training blocks only to stage."
     )
+    dedup_checkpoints: bool = Field(
+        True,
+        description="Store each tensor's bytes once, in blobs shared by the checkpoints, so that "
+        "a tensor unchanged since the last checkpoint (a frozen weight) is not written again; "
+        "off writes every tensor into each checkpoint's folder.",
+    )
 
     def sized(self, planned_steps: int | None) -> RecoveryConfig:
         """A copy with the sizes left to the run (None) filled in for a run of `planned_steps`

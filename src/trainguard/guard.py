@@ -138,6 +138,7 @@ class Guard(Monitor):
                 cfg.recovery.keep_checkpoints,
                 cfg.recovery.async_checkpoints,
                 self.ranks,
+                cfg.recovery.dedup_checkpoints,
             )
             self.checkpointing = Checkpointing(
                 store, model, optimizer, scheduler, scaler, self.ranks, self._warn

@@ -31,6 +31,8 @@ MANIFEST = "manifest.json"
 PLAIN_STATE = "trainguard.json"
 METADATA = ".metadata"
 STEP_KEY = "trainguard.step"  # the step, written among the tensors, so the data names its step
+TENSOR_TABLE = "tensors.json"  # a blob checkpoint's tensors: dtype, size, each chunk's blob
+BLOB_STORAGE = "blobs"  # the manifest's `storage` of a checkpoint whose tensors are blobs
 DIGEST_SCHEME = "sha256-step"  # sha256 over a header naming the step and the file, then the bytes
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -284,8 +286,14 @@ def verify_manifest(path: Path, step: int) -> dict[str, Any]:
         isinstance(k, str) and isinstance(v, str) and _HEX64.fullmatch(v) for k, v in files.items()
     ):
         raise DamagedCheckpoint(f"its {MANIFEST} has no valid list of files and digests")
+    storage = manifest.get("storage")
+    if storage not in (None, BLOB_STORAGE):
+        raise DamagedCheckpoint(
+            f"its tensors are stored as {storage!r}, which this trainguard cannot read: "
+            "upgrade trainguard to resume from it"
+        )
     plain = [n for n in files if n == PLAIN_STATE or n.startswith("trainguard-rank")]
-    if not plain or METADATA not in files:
+    if not plain or (TENSOR_TABLE if storage == BLOB_STORAGE else METADATA) not in files:
         raise DamagedCheckpoint(f"its {MANIFEST} does not list the checkpoint's files")
     bound = manifest.get("checksums") == DIGEST_SCHEME
     for name, digest in files.items():

@@ -28,11 +28,23 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
 from trainguard._torch_private import foreach_copy_
+from trainguard.actions.checkpoint_blobs import (
+    BLOBS,
+    BlobReader,
+    BlobWriter,
+    DigestMemory,
+    collect_blobs,
+    read_table,
+    same_bytes,
+    verify_blobs,
+)
 from trainguard.actions.checkpoint_files import (
+    BLOB_STORAGE,
     DIGEST_SCHEME,
     MANIFEST,
     PLAIN_STATE,
     STEP_KEY,
+    TENSOR_TABLE,
     DamagedCheckpoint,
     SafeReader,
     check_plain_state,
@@ -99,12 +111,16 @@ def step_of(path: Path) -> int:
 
 class BufferStager(AsyncStager):
     """Stages a checkpoint into CPU buffers kept from one checkpoint to the next (pinned for GPU
-    tensors), with one fused copy: no allocation and no page faults after the first time."""
+    tensors), with one fused copy: no allocation and no page faults after the first time. With
+    `memory`, a CPU tensor whose bytes equal its buffer's is compared, not copied, and its
+    buffer keeps the digest it had (a changed one is copied and its digest forgotten)."""
 
     _synchronize_after_execute = False
 
-    def __init__(self) -> None:
+    def __init__(self, memory: DigestMemory | None = None) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
+        self.memory = memory
+        self.addresses: set[int] = set()  # where the buffers are, for `DigestMemory.remember`
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         sources: list[torch.Tensor] = []
@@ -136,22 +152,42 @@ class BufferStager(AsyncStager):
         src = value.detach()
         buffer = self.buffers.get(key)
         if buffer is None or buffer.shape != src.shape or buffer.dtype != src.dtype:
+            if buffer is not None:
+                self._drop(buffer)
             buffer = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
             self.buffers[key] = buffer
+            self.addresses.add(buffer.data_ptr())
+            if self.memory is not None:
+                self.memory.forget(buffer)
+        elif self.memory is not None:
+            if not src.is_cuda and src.is_contiguous() and same_bytes(src, buffer):
+                return buffer  # unchanged: its buffer holds these bytes, its digest stays
+            self.memory.forget(buffer)
         sources.append(src)
         targets.append(buffer)
         return buffer
+
+    def _drop(self, buffer: torch.Tensor) -> None:
+        self.addresses.discard(buffer.data_ptr())
+        if self.memory is not None:
+            self.memory.forget(buffer)
 
     def synchronize_staging(self) -> None:
         """Staging is complete when `stage` returns."""
 
     def close(self) -> None:
         self.buffers.clear()
+        self.addresses.clear()
+        if self.memory is not None:
+            self.memory.clear()
 
 
 class CheckpointStore:
-    """`directory/step-N/`: DCP tensor files, `trainguard.json` (plain state) and `manifest.json`
-    (step, time, sha256 of each file, version, incident state), renamed in place when complete."""
+    """`directory/step-N/`: the tensors, `trainguard.json` (plain state) and `manifest.json`
+    (step, time, sha256 of each file, version, incident state), renamed in place when complete.
+    With `dedup` the tensors are blobs in `directory/blobs/` shared by the checkpoints (a tensor
+    unchanged since the last save is not written again) and `tensors.json` names them; without,
+    they are DCP's own files in the folder."""
 
     def __init__(
         self,
@@ -159,8 +195,13 @@ class CheckpointStore:
         keep: int = 3,
         asynchronous: bool = True,
         ranks: RankContext | None = None,
+        dedup: bool = True,
     ) -> None:
         self.directory = Path(directory)
+        self.blobs = self.directory / BLOBS
+        self.dedup = dedup
+        self._memory = DigestMemory() if dedup else None
+        self.written: dict[str, int] = {}  # this rank's last save: blob bytes written, hashed
         self.ranks = ranks
         # DCP's collectives get a group of their own: an asynchronous save runs them in a
         # background thread, which must not interleave with the guard's per-step all-gather
@@ -170,7 +211,7 @@ class CheckpointStore:
         self._pending: threading.Event | None = None  # set once the write is finished
         self._lock = threading.Lock()
         self.errors: list[str] = []
-        self._stager = BufferStager()
+        self._stager = BufferStager(self._memory)
         self.protected: set[int] = set()  # steps kept as the last known-good before an incident
 
     # -- writing ----------------------------------------------------------------------------------
@@ -226,16 +267,38 @@ class CheckpointStore:
         """Start DCP's write of the tensors into `tmp`: a future that completes once written."""
         if self.asynchronous and no_dist:
             _quiet_writer_thread()
+        writer = None
+        if self._memory is not None:
+            writer = BlobWriter(self.blobs, self._memory, self._stager.addresses)
+            self.written = {}
+
+            def count(done: concurrent.futures.Future[Any]) -> None:
+                self.written = {"written": writer.written, "hashed": writer.hashed}
+
         with _quiet_single_process():
             if self.asynchronous:
-                return dcp_async_save(
+                started = dcp_async_save(
                     tensors,
                     checkpoint_id=tmp,
+                    storage_writer=writer,
                     no_dist=no_dist,
                     async_stager=self._stager,
                     process_group=self.group,
                 )
-            dcp_save(tensors, checkpoint_id=tmp, no_dist=no_dist, process_group=self.group)
+                if writer is not None:
+                    started.add_done_callback(count)  # type: ignore[union-attr]
+                return started
+            if writer is not None:  # staged, so unchanged tensors are found by their buffers
+                tensors = self._stager.stage(tensors)
+            dcp_save(
+                tensors,
+                checkpoint_id=tmp,
+                storage_writer=writer,
+                no_dist=no_dist,
+                process_group=self.group,
+            )
+            if writer is not None:
+                self.written = {"written": writer.written, "hashed": writer.hashed}
             future: concurrent.futures.Future[None] = concurrent.futures.Future()
             future.set_result(None)
             return future
@@ -263,13 +326,18 @@ class CheckpointStore:
                 raise TrainguardError(
                     f"{self.ranks.world_size - ranks_written} rank(s) wrote no plain state"
                 )
-        record = {
+        record: dict[str, Any] = {
             "step": step,
             "time": _utc_now(),
             "checksums": DIGEST_SCHEME,
             "files": files,
             **manifest,
         }
+        if TENSOR_TABLE in files:  # the blobs it uses, each with its size, for verify and prune
+            table = json.loads((tmp / TENSOR_TABLE).read_text())["tensors"]
+            chunks = [c for entry in table.values() for c in entry["chunks"]]
+            record["storage"] = BLOB_STORAGE
+            record["blobs"] = {c["blob"]: c["bytes"] for c in chunks}
         with (tmp / MANIFEST).open("w") as f:
             json.dump(record, f, indent=1)
             f.flush()
@@ -277,18 +345,44 @@ class CheckpointStore:
         _fsync_dir(tmp)
         final = self.directory / f"{PREFIX}{step}"
         if final.exists():  # a replayed step after a rollback: the newer trajectory wins
-            shutil.rmtree(final)
+            self._delete(final)
         os.rename(tmp, final)
         _fsync_dir(self.directory)
         self._prune()
 
+    def _delete(self, path: Path) -> None:
+        """Remove a checkpoint folder: renamed out of the `step-N` names first, so that a crash
+        while deleting leaves no half checkpoint, only a leftover the next prune removes."""
+        doomed = path.with_name(f".{path.name}.deleted-{uuid.uuid4().hex[:8]}")
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
     def _prune(self) -> None:
-        """Keep the newest `keep` complete checkpoints and the protected ones; never the rest."""
+        """Keep the newest `keep` complete checkpoints and the protected ones, and the blobs
+        they use; never the rest. Folders go first, then the blobs no remaining manifest names:
+        a crash anywhere in between leaves every kept checkpoint whole."""
         complete = self.complete()
         keep = {step_of(p) for p in complete[: self.keep]} | self.protected
         for path in complete[self.keep :]:
             if step_of(path) not in keep:
-                shutil.rmtree(path, ignore_errors=True)
+                self._delete(path)
+        for leftover in self.directory.glob(f".{PREFIX}*.deleted-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        if self.blobs.is_dir():
+            collect_blobs(self.blobs, self._referenced())
+
+    def _referenced(self) -> set[str]:
+        """Every blob a `step-N` folder's manifest names (one whose manifest cannot be read
+        cannot be restored, so it keeps none)."""
+        used: set[str] = set()
+        for path in self._folders():
+            try:
+                blobs = read_json(path / MANIFEST, "JSON").get("blobs")
+            except (DamagedCheckpoint, AttributeError):
+                continue
+            if isinstance(blobs, dict):
+                used.update(k for k in blobs if isinstance(k, str))
+        return used
 
     def wait(self) -> None:
         """Block until the checkpoint being written is renamed into place (or has failed): the
@@ -322,11 +416,31 @@ class CheckpointStore:
         metadata safe to read and its plain state whole; `DamagedCheckpoint` otherwise."""
         step = step_of(path)
         manifest = verify_manifest(path, step)
-        read_metadata(path, manifest["files"])
+        if manifest.get("storage") == BLOB_STORAGE:
+            verify_blobs(self.blobs_of(path), manifest.get("blobs"))
+        self.metadata(path, manifest)
         for name in manifest["files"]:
             if name == PLAIN_STATE or name.startswith("trainguard-rank"):
                 check_plain_state(read_json(path / name, "JSON"), step, name)
         return manifest
+
+    @staticmethod
+    def blobs_of(path: Path) -> Path:
+        """The blobs folder serving the checkpoint folder `path`."""
+        return path.parent / BLOBS
+
+    def metadata(self, path: Path, manifest: dict[str, Any]) -> Any:
+        """The checked DCP metadata of a checkpoint whose manifest verified: from its
+        `tensors.json` for blobs, else from DCP's own `.metadata`."""
+        if manifest.get("storage") == BLOB_STORAGE:
+            return read_table(path, manifest["blobs"])
+        return read_metadata(path, manifest["files"])
+
+    def reader(self, path: Path, manifest: dict[str, Any]) -> Any:
+        """The DCP storage reader of a checkpoint whose manifest verified."""
+        if manifest.get("storage") == BLOB_STORAGE:
+            return BlobReader(path, manifest["blobs"])
+        return SafeReader(path, manifest["files"])
 
     def load(
         self, path: Path, manifest: dict[str, Any]
@@ -334,8 +448,7 @@ class CheckpointStore:
         """The flat tensors (by DCP key) and the plain state of a verified checkpoint, read into
         fresh tensors: nothing live is touched."""
         step = step_of(path)
-        files = manifest["files"]
-        metadata = read_metadata(path, files)
+        metadata = self.metadata(path, manifest)
         template = {
             key: torch.empty(meta.size, dtype=meta.properties.dtype)
             for key, meta in tensor_entries(metadata).items()
@@ -344,7 +457,7 @@ class CheckpointStore:
             raise DamagedCheckpoint(f"its tensors do not name their step ({STEP_KEY})")
         try:
             with _quiet_single_process():
-                dcp_load(template, storage_reader=SafeReader(path, files), no_dist=_no_dist())
+                dcp_load(template, storage_reader=self.reader(path, manifest), no_dist=_no_dist())
         except DamagedCheckpoint:
             raise
         except (Exception, CheckpointException) as exc:  # DCP raises several kinds
@@ -369,7 +482,9 @@ class CheckpointStore:
         warned about (the leftovers are removed: they only hold disk)."""
         if self.directory.is_dir():
             for p in sorted(self.directory.iterdir()):
-                if p.name.startswith(f".{PREFIX}") and ".tmp-" in p.name:
+                if p.name.startswith(f".{PREFIX}") and ".deleted-" in p.name:
+                    shutil.rmtree(p, ignore_errors=True)  # a deletion a crash cut short
+                elif p.name.startswith(f".{PREFIX}") and ".tmp-" in p.name:
                     shutil.rmtree(p, ignore_errors=True)
                     warn(
                         f"{p.name}: an incomplete checkpoint (the run stopped while writing it); "
@@ -474,7 +589,7 @@ def load_sharded(
     step = step_of(path)
     plain = check_plain_state(read_json(plain_file, "JSON"), step, plain_file.name)
     tensors, _ = sharded_training_state(model, optimizer, None, None, rank)
-    metadata = read_metadata(path, manifest["files"])
+    metadata = store.metadata(path, manifest)
     saved = {
         k[len("model.") :]: m.size
         for k, m in tensor_entries(metadata).items()
@@ -488,7 +603,7 @@ def load_sharded(
     try:
         dcp_load(
             tensors,
-            storage_reader=SafeReader(path, manifest["files"]),
+            storage_reader=store.reader(path, manifest),
             process_group=store.group,
         )
     except (Exception, CheckpointException) as exc:
