@@ -34,7 +34,7 @@ def manifest(run_dir: Path, step: int) -> dict:
 
 
 def blob_file(run_dir: Path, digest: str) -> Path:
-    return run_dir / "checkpoints" / "blobs" / digest[:2] / digest
+    return run_dir / "checkpoints" / "blobs" / digest
 
 
 def checkpoint_warnings(run_dir: Path) -> list[str]:
@@ -191,6 +191,8 @@ def test_retention_deletes_old_checkpoints_and_only_the_blobs_none_kept_uses(tmp
     guard.checkpoints.wait()
     assert any("step 6 could not be written" in w for w in checkpoint_warnings(run_dir))
     assert not (run_dir / "checkpoints/step-6").exists()
+    kept = set(manifest(run_dir, 4)["blobs"]) | set(manifest(run_dir, 2)["blobs"])
+    assert {p.name for p in (run_dir / "checkpoints" / "blobs").iterdir()} == kept
     train(guard, model, loader(), 12)  # saves at 8, 10, 12: step-2 .. step-8 go
     guard.close()
     store = CheckpointStore(run_dir / "checkpoints")
@@ -198,7 +200,7 @@ def test_retention_deletes_old_checkpoints_and_only_the_blobs_none_kept_uses(tmp
     for path in store.complete():
         store.verify(path)  # every blob a kept checkpoint uses is there and whole
     used = set(manifest(run_dir, 12)["blobs"]) | set(manifest(run_dir, 10)["blobs"])
-    on_disk = {p.name for p in (run_dir / "checkpoints" / "blobs").glob("*/*")}
+    on_disk = {p.name for p in (run_dir / "checkpoints" / "blobs").iterdir()}
     assert on_disk == used  # the old ones' own blobs, step 6's orphans and leftovers: gone
     assert frozen_blobs <= used  # written at step 2, still used: never rewritten or deleted
     assert not list((run_dir / "checkpoints").glob(".step-*"))

@@ -46,8 +46,8 @@ _TMP = ".tmp-"  # a blob being written; renamed to its digest once whole
 
 
 def blob_path(blobs: Path, digest: str) -> Path:
-    """Where the blob of `digest` lives (two hex digits of fan-out keep folders small)."""
-    return blobs / digest[:2] / digest
+    """Where the blob of `digest` lives: one flat folder, synced once per save."""
+    return blobs / digest
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -141,7 +141,7 @@ class BlobWriter(StorageWriter):
         self, plan: SavePlan, planner: SavePlanner
     ) -> torch.futures.Future[list[WriteResult]]:
         results: list[WriteResult] = []
-        touched: set[Path] = set()
+        touched = False
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
                 raise TrainguardError(
@@ -159,11 +159,11 @@ class BlobWriter(StorageWriter):
             target = blob_path(self.blobs, digest)
             if not target.is_file():
                 self._write_blob(target, data)
-                touched.add(target.parent)
+                touched = True
                 self.written += size
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=digest))
-        for folder in touched:
-            _fsync_dir(folder)
+        if touched:
+            _fsync_dir(self.blobs)
         done: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         done.set_result(results)
         return done
@@ -171,7 +171,6 @@ class BlobWriter(StorageWriter):
     @staticmethod
     def _write_blob(target: Path, data: torch.Tensor) -> None:
         """Write a blob whole or not at all: into a temporary name, synced, then renamed."""
-        target.parent.mkdir(exist_ok=True)
         tmp = target.with_name(f"{_TMP}{target.name}-{uuid.uuid4().hex[:8]}")
         try:
             with tmp.open("wb") as f:
@@ -371,16 +370,13 @@ def collect_blobs(blobs_dir: Path, referenced: set[str]) -> int:
     if not blobs_dir.is_dir():
         return 0
     freed = 0
-    for folder in blobs_dir.iterdir():
-        if not folder.is_dir():
+    for file in blobs_dir.iterdir():
+        if file.name in referenced:
             continue
-        for file in folder.iterdir():
-            if file.name in referenced:
+        if file.name.startswith(_TMP) or _HEX64.fullmatch(file.name):
+            try:
+                freed += file.stat().st_size
+                file.unlink()
+            except OSError:  # gone already, or not ours to delete: the next pass retries
                 continue
-            if file.name.startswith(_TMP) or _HEX64.fullmatch(file.name):
-                try:
-                    freed += file.stat().st_size
-                    file.unlink()
-                except OSError:  # gone already, or not ours to delete: the next pass retries
-                    continue
     return freed

@@ -304,9 +304,13 @@ class CheckpointStore:
             return future
 
     def _fail(self, step: int, tmp: Path | None, exc: BaseException) -> None:
-        """Record a failed checkpoint and remove what it left (the older ones stay)."""
+        """Record a failed checkpoint and remove what it left (the older ones stay): its folder,
+        and the blobs it wrote that no kept checkpoint uses (every rank's writes are over once
+        DCP's save has failed on rank 0)."""
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                self._collect()
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _first_line(exc)
         with self._lock:
             self.errors.append(
@@ -368,6 +372,10 @@ class CheckpointStore:
                 self._delete(path)
         for leftover in self.directory.glob(f".{PREFIX}*.deleted-*"):
             shutil.rmtree(leftover, ignore_errors=True)
+        self._collect()
+
+    def _collect(self) -> None:
+        """Delete the blobs no `step-N` folder's manifest names (between saves only)."""
         if self.blobs.is_dir():
             collect_blobs(self.blobs, self._referenced())
 
