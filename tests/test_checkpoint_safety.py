@@ -229,13 +229,14 @@ def test_a_dcp_checkpoint_exception_never_escapes_into_training(tmp_path, monkey
     assert "OSError: [Errno 5] I/O error" in warning
 
 
-def test_a_full_disk_never_stops_training_and_resume_works_on_it(tmp_path):
+@pytest.mark.parametrize("dedup", [False, True], ids=["dcp-files", "blobs"])
+def test_a_full_disk_never_stops_training_and_resume_works_on_it(tmp_path, dedup):
     """The checkpoint folder on a real 1 MiB tmpfs (as root), else a folder whose writes fail."""
     checkpoints = tmp_path / "checkpoints"
     disk = TmpfsDisk.mount(checkpoints, "1m")
     try:
         model, opt = tiny_setup()
-        guard = tg.Guard(model, opt, config=tiny_config(), run_dir=tmp_path)
+        guard = tg.Guard(model, opt, config=tiny_config(dedup), run_dir=tmp_path)
         train(guard, model, GOOD)
         assert (checkpoints / f"step-{GOOD}").is_dir()
         if disk is not None:
@@ -245,8 +246,11 @@ def test_a_full_disk_never_stops_training_and_resume_works_on_it(tmp_path):
         train(guard, model, 4 * GOOD)
         guard.close()
         assert guard.global_step == 4 * GOOD
-        left = sorted(p.name for p in checkpoints.iterdir() if p.name != "filler")
+        left = sorted(p.name for p in checkpoints.iterdir() if p.name not in ("filler", "blobs"))
         assert left == [f"step-{GOOD}"]  # no temporary folder, the older checkpoint kept
+        if dedup:  # and no blob of the failed writes, whole or partial
+            kept = json.loads((checkpoints / f"step-{GOOD}" / "manifest.json").read_text())
+            assert {p.name for p in (checkpoints / "blobs").iterdir()} == set(kept["blobs"])
         warnings = checkpoint_warnings(tmp_path)
         assert len(warnings) == 3 and all("could not be written" in w for w in warnings)
         guard, model = resume(tmp_path)
