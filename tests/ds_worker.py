@@ -83,6 +83,8 @@ def private_names_missing(engine: Any) -> list[str]:
     stage = engine.zero_optimization_stage()
     wanted.append(private.PARTITION_PARAMS[0] if stage == 3 else private.PARTITION_PARAMS[1])
     wanted.append(private.OFFLOAD_FLAGS[1] if stage == 3 else private.OFFLOAD_FLAGS[0])
+    if stage != 3:
+        wanted.append(private.REGATHER)
     return [name for name in wanted if not hasattr(optimizer, name)]
 
 
@@ -142,6 +144,8 @@ def train(
         "norms": norms,
         "private_missing": missing,
         "exchange_calls": guard.exchange.calls if guard is not None and guard.exchange else 0,
+        "exchange_rounds": getattr(guard.exchange, "rounds", 0) if guard is not None else 0,
+        "replica_checks": guard.replicas.calls if guard is not None and guard.replicas else 0,
         "engine_steps": engine.global_steps,
     }
 
@@ -199,15 +203,121 @@ def lr_burst(rank: int, out: Path) -> dict[str, Any]:
 
 
 def clean(rank: int, out: Path) -> dict[str, Any]:
-    """ZeRO-3, ZeRO-1 and ZeRO-2 with 2 micro-batches a step, fp32: a guarded clean run and
-    the same run on `engine.step()`."""
+    """ZeRO-3, ZeRO-1 (through the all-gather exchange) and ZeRO-2 with 2 micro-batches a step,
+    fp32, the replicas checked every 5 steps: a guarded clean run and the same run on
+    `engine.step()`."""
     setups = {"1": (1, 1), "3": (3, 1), "2-accumulating": (2, 2)}
     guarded, plain = {}, {}
     for name, (stage, accumulation) in setups.items():
         engine = build_engine(stage, "fp32", accumulation=accumulation)
-        guarded[name] = train(engine, rank, 30, out / f"stage{name}")
+        config: dict[str, Any] = {"replicas": {"every": 5}}
+        if stage == 1:
+            config["ranks"] = {"exchange": "gather"}
+        guarded[name] = train(engine, rank, 30, out / f"stage{name}", config=config)
         plain[name] = train(build_engine(stage, "fp32", accumulation=accumulation), rank, 30, None)
     return {"guarded": guarded, "plain": plain}
+
+
+def replica_nudge(rank: int, out: Path) -> dict[str, Any]:
+    """ZeRO-2, fp32, the replicas checked every 5 steps: after step 9's engine step gathered
+    the weights, rank 1's copy of one is nudged by 1e-6 (2 ranks: no majority, a halt). Then
+    the guard's regather, given a decision that names rank 1, after another nudge."""
+    engine = build_engine(2, "fp32")
+    cfg = tg.GuardConfig.from_dict({"console": False, "replicas": {"every": 5}})
+    guard = DeepSpeedGuard(engine, config=cfg, run_dir=out)
+    assert guard.replicas is not None and guard._resync is not None
+    _, data = model_and_data(rank, 20)
+    first = next(iter(engine.module.parameters()))
+
+    def nudge() -> None:
+        if rank == 1:
+            with torch.no_grad():
+                first.view(-1)[0] += 1e-6
+
+    actions: list[list[Any]] = []
+    halted = None
+    try:
+        for x, y in guard.batches(data):
+            if guard.global_step == 10:  # after step 9's gather, before the check at 10
+                nudge()
+            loss = nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            decision = guard.step(loss)
+            actions.append([decision.step, decision.action])
+    except tg.TrainingHalted as exc:
+        halted = exc.diagnosis
+    nudge()
+    before = guard.replicas.compare()
+    regathered = guard._resync.apply(
+        tg.Decision(step=guard.global_step, action="skip", resync_from=0, resync_ranks=[1]), []
+    )
+    after = guard.replicas.compare()
+    guard.close()
+    return {
+        "private_missing": private_names_missing(engine),
+        "actions": actions,
+        "halted": halted,
+        "differ_before": before,
+        "differ_after": after,
+        "regathered": [e.message for e in regathered],
+        "checks": guard.replicas.calls,
+    }
+
+
+def replica_three(rank: int, out: Path) -> dict[str, Any]:
+    """3 ranks, ZeRO-2, bf16, the replicas checked every 5 steps: after step 9's engine step
+    gathered the weights, rank 2's copy of one is moved by one bf16 step (a majority of 2)."""
+    engine = build_engine(2, "bf16")
+    cfg = tg.GuardConfig.from_dict({"console": False, "replicas": {"every": 5}})
+    guard = DeepSpeedGuard(engine, config=cfg, run_dir=out)
+    assert guard.replicas is not None
+    _, data = model_and_data(rank, 20)
+    first = next(iter(engine.module.parameters()))
+    actions: list[list[Any]] = []
+    for x, y in guard.batches(data):
+        if guard.global_step == 15:
+            break
+        if guard.global_step == 10 and rank == 2:
+            with torch.no_grad():
+                first.view(-1)[0] = torch.nextafter(first.view(-1)[0], first.new_tensor(1.0))
+        loss = nn.functional.mse_loss(engine(x.to(torch.bfloat16)).float(), y)
+        engine.backward(loss)
+        decision = guard.step(loss)
+        actions.append([decision.step, decision.action])
+    guard.close()
+    return {
+        "actions": actions,
+        "weights": weights(engine),
+        "checks": guard.replicas.calls,
+        "engine_steps": engine.global_steps,
+    }
+
+
+def timed_checkpoint(rank: int, out: Path) -> dict[str, Any]:
+    """ZeRO-1, fp32, DeepSpeed checkpoints every 60 s of wall time and never by steps, on
+    injected clocks: rank 1's moves 25 s a step, rank 0's stands still."""
+    engine = build_engine(1, "fp32")
+    recovery = {"checkpoint_every": 0, "checkpoint_every_s": 60.0, "keep_checkpoints": 10}
+    cfg = tg.GuardConfig.from_dict({"console": False, "recovery": recovery})
+    guard = DeepSpeedGuard(engine, config=cfg, run_dir=out)
+    clock = {"now": 0.0}
+    guard.checkpoint_clock = lambda: clock["now"]
+    saved_at: list[int] = []
+    save = guard.save_checkpoint
+
+    def recorded() -> None:
+        saved_at.append(guard.global_step)
+        save()
+
+    guard.save_checkpoint = recorded  # type: ignore[method-assign]
+    _, data = model_and_data(rank, 10)
+    for x, y in guard.batches(data):
+        loss = nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        guard.step(loss)
+        clock["now"] += 25.0 if rank == 1 else 0.0
+    guard.close()
+    return {"saved_at": saved_at}
 
 
 def unsupported(rank: int, out: Path) -> dict[str, Any]:
@@ -227,6 +337,9 @@ SCENARIOS: dict[str, Callable[[int, Path], dict[str, Any]]] = {
     "toxic_on_rank0": toxic_on_rank0,
     "lr_burst": lr_burst,
     "clean": clean,
+    "replica_nudge": replica_nudge,
+    "replica_three": replica_three,
+    "timed_checkpoint": timed_checkpoint,
     "unsupported": unsupported,
 }
 

@@ -23,16 +23,21 @@ from ds_worker import SCENARIOS, run
 WORLD = 2
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    out = tmp_path_factory.mktemp("deepspeed")
+def launch(out: Path, world: int, scenarios: list[str]) -> list[dict[str, Any]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.MonkeyPatch.context() as patch:  # the workers' setting, not the session's
         patch.setenv("OMP_NUM_THREADS", "1")
-        mp.spawn(run, args=(WORLD, list(SCENARIOS), str(out), port), nprocs=WORLD, join=True)
-    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+        mp.spawn(run, args=(world, scenarios, str(out), port), nprocs=world, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("deepspeed")
+    two_ranks = [name for name in SCENARIOS if name != "replica_three"]
+    return out, launch(out, WORLD, two_ranks)
 
 
 def events(folder: Path) -> list[dict[str, Any]]:
@@ -116,13 +121,82 @@ def test_a_clean_run_is_left_alone(runs, stage):
         guarded, plain = r["clean"]["guarded"][stage], r["clean"]["plain"][stage]
         assert not_stepped(guarded) == []
         assert len(guarded["norms"]) == guarded["engine_steps"] == 30
-        assert guarded["exchange_calls"] == 30  # one collective a step, none a micro-batch
+        # none a micro-batch; a step: the all-gather's one collective, or the reduce's SUM and
+        # MAX (the default), and no round naming a rank
+        assert guarded["exchange_calls"] == (30 if stage == "1" else 2 * 30)
+        assert guarded["exchange_rounds"] == 0
+        # the replicas agreed at steps 5, 10, ..., 25; ZeRO-3 replicates nothing to compare
+        assert guarded["replica_checks"] == (0 if stage == "3" else 5)
         assert guarded["weights"] == plain["weights"]  # bit for bit the engine's own run
         # the guard's norm, measured before the engine clips, is the engine's own
         for ours, engines in guarded["norms"]:
             assert ours == pytest.approx(engines, rel=1e-5)
     found = events(out / "clean" / f"stage{stage}")
     assert not [e for e in found if e["severity"] != "info"]
+
+
+def test_a_replica_nudged_by_1e_minus_6_is_found_at_the_next_check_before_the_engine_steps(
+    runs,
+):
+    out, results = runs
+    for r in results:
+        result = r["replica_nudge"]
+        assert [a for a in result["actions"] if a[1] != "step"] == []
+        assert len(result["actions"]) == 10  # steps 0-9 taken, halted at the check at 10
+        # 2 ranks, 2 versions: no majority to tell the right one, so a halt naming both
+        halted = result["halted"]
+        assert "no majority" in halted and "ranks by version [0, 1]" in halted
+        assert "at or before step 5" in halted
+        # collectives: the check at 5 (agreed: one all-reduce), at 10 (differed: an all-gather
+        # of the group that differs too), then around the regather, differing and agreeing
+        assert result["checks"] == 1 + 2 + 2 + 1
+        # nudged again, the copies differ; gathered again from the partitions, they agree
+        assert result["differ_before"] != {} and result["differ_after"] == {}
+        assert (
+            "gathered the module's weights again from the ZeRO partitions"
+            in (result["regathered"][0])
+        )
+    found = [
+        e for e in events(out / "replica_nudge") if e["kind"] in ("replica_divergence", "halt")
+    ]
+    assert [(e["step"], e["kind"]) for e in found] == [(10, "replica_divergence"), (10, "halt")]
+    divergence = found[0]
+    assert divergence["metrics"]["ranks"] == [0, 1] and divergence["metrics"]["source"] is None
+    assert divergence["metrics"]["last_agreed_step"] == 5
+    assert divergence["metrics"]["classes"] == {"0": [0, 1]}
+
+
+def test_with_a_majority_a_diverged_replica_is_skipped_and_gathered_again(tmp_path):
+    results = launch(tmp_path, 3, ["replica_three"])
+    for r in results:
+        result = r["replica_three"]
+        assert [a for a in result["actions"] if a[1] != "step"] == [[10, "skip"]]
+        assert len(result["actions"]) == result["engine_steps"] == 15  # then training went on
+        assert result["weights"] == results[0]["replica_three"]["weights"]
+        # checks at 5 (agreed), 10 (differed: two collectives), 11 (after the regather: agreed)
+        assert result["checks"] == 1 + 2 + 1
+    found = [e for e in events(tmp_path / "replica_three") if e["kind"].startswith("replica")]
+    assert [(e["step"], e["kind"]) for e in found] == [
+        (10, "replica_divergence"),
+        (10, "replica_resync"),
+    ]  # the check right after the regather (11) and the one at 5 agreed
+    divergence, regather = found
+    assert divergence["rank"] == 2 and divergence["metrics"]["groups"] == {"2": ["0"]}
+    assert divergence["metrics"]["source"] == 0 and divergence["metrics"]["last_agreed_step"] == 5
+    assert regather["metrics"]["ranks"] == [2] and regather["metrics"]["dropped_snapshots"] == []
+    assert "again from the ZeRO partitions" in regather["message"]
+
+
+def test_checkpoints_by_time_come_at_the_same_step_on_every_rank(runs):
+    out, results = runs
+    # rank 1's clock runs 25 s a step, rank 0's stands still: 60 s are due on rank 1 alone
+    assert [r["timed_checkpoint"]["saved_at"] for r in results] == [[4, 7, 10]] * WORLD
+    checkpoints = out / "timed_checkpoint" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-10", "step-4", "step-7"]
+    assert (checkpoints / "latest").read_text() == "step-10"
+    for step in (4, 7, 10):
+        written = {p.name for p in (checkpoints / f"step-{step}").iterdir()}
+        assert {"trainguard-rank0.json", "trainguard-rank1.json"} <= written
 
 
 def test_an_engine_the_guard_cannot_drive_gets_one_line_saying_what_to_do(runs):

@@ -99,13 +99,7 @@ class Guard(Monitor):
         super().__init__(
             cfg, run_dir, sinks, device=stats.device if stats is not None else None
         )  # the detectors, policy, ranks, enrichment and recorder; opens the files below
-        self.exchange: StepExchange | ReduceExchange | None = None
-        if self.ranks is not None and cfg.ranks.exchange == "gather":
-            self.exchange = StepExchange(self.ranks)
-        elif self.ranks is not None:  # each rank judged by the live detectors' own lines
-            self.exchange = ReduceExchange(
-                self.ranks, self._live(RankOutlierDetector), self._live(StragglerDetector)
-            )
+        self.exchange = self._step_exchange()
         self._local_norm: LocalGradNorm | None = None
         if self.ranks is not None and isinstance(model, DistributedDataParallel):
             self._local_norm = LocalGradNorm(self.ranks.group)
@@ -152,6 +146,17 @@ class Guard(Monitor):
             linted = lint_scheduler if lint_scheduler is not None else scheduler
             self._publish(self._training.diagnosis.lint(model, linted, scaler))
             self.findings = self._training.diagnosis.findings
+
+    def _step_exchange(self) -> StepExchange | ReduceExchange | None:
+        """The per-step exchange `ranks.exchange` names (none outside a distributed run)."""
+        if self.ranks is None:
+            return None
+        if self.config.ranks.exchange == "gather":
+            return StepExchange(self.ranks)
+        # each rank judged by the live detectors' own lines
+        return ReduceExchange(
+            self.ranks, self._live(RankOutlierDetector), self._live(StragglerDetector)
+        )
 
     def _watch_replicas(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Compare the data-parallel replicas of `model` every `replicas.every` steps, and give a
@@ -390,11 +395,16 @@ class Guard(Monitor):
         return self.checkpointing.store if self.checkpointing is not None else None
 
     # -- durable checkpoints ----------------------------------------------------------------------
+    @property
+    def _saves_checkpoints(self) -> bool:
+        """Whether this guard writes durable checkpoints (a model, an optimizer, a run_dir)."""
+        return self.checkpointing is not None
+
     def _checkpoint_due_by_time(self) -> bool:
         """Whether `recovery.checkpoint_every_s` seconds have passed on this rank's clock since
         the last checkpoint (or the first step)."""
         every_s = self.config.recovery.checkpoint_every_s
-        if every_s is None or self.checkpointing is None:
+        if every_s is None or not self._saves_checkpoints:
             return False
         now = self.checkpoint_clock()
         if self._last_checkpoint_at is None:
@@ -405,7 +415,7 @@ class Guard(Monitor):
         """A checkpoint every `checkpoint_every` steps, or where the time is due (agreed by every
         rank in a distributed run), whichever comes first."""
         every = self.config.recovery.checkpoint_every
-        if self.checkpointing is None:
+        if not self._saves_checkpoints:
             return
         if due_by_time or (every and self.global_step % every == 0):
             self.save_checkpoint()

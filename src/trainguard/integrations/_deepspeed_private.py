@@ -6,8 +6,8 @@ step, nor for holding one step back; each name used here is pinned by
 that moves one fails there first. Everything else the integration uses is public: the engine's
 `backward`, `step`, `is_gradient_accumulation_boundary`, `was_step_applied`, `lr_scheduler`,
 `basic_optimizer`, `global_steps`, `save_checkpoint`, `load_checkpoint`, and the ZeRO
-optimizers' `state_dict`, `load_state_dict`, `update_lp_params`, `loss_scale` and checkpoint
-prologue/epilogue, which `engine.load_checkpoint` itself calls. Two more mechanisms stand in
+optimizers' `state_dict`, `load_state_dict`, `loss_scale` and checkpoint prologue/epilogue,
+which `engine.load_checkpoint` itself calls. Two more mechanisms stand in
 for missing API: a skip shadows the basic optimizer's `step` for one call (`update_held`), and
 the Hugging Face callback finds the Trainer's engine among the optimizer's referrers
 (`engine_of`), as the Trainer hands callbacks the optimizer but not the engine.
@@ -29,6 +29,8 @@ GRADIENT_PARTITIONS = "averaged_gradients"
 PARTITION_PARAMS = ("fp16_groups", "params_in_partition")
 OFFLOAD_FLAGS = ("cpu_offload", "offload_optimizer")  # ZeRO-Offload keeps gradients elsewhere
 DP_GROUP = "dp_process_group"
+# ZeRO-1/2: copy this rank's fp32 partition into the module's weights and all-gather them
+REGATHER = "update_lp_params"
 
 
 def gradient_partitions(optimizer: Any) -> list[torch.Tensor]:
@@ -57,6 +59,12 @@ def partition_names(optimizer: Any, names: dict[int, str]) -> list[str]:
         else:
             out.extend(f"param_group{i}.partition{j}" for j in range(len(tensors)))
     return out
+
+
+def regather_weights(optimizer: Any) -> None:
+    """ZeRO-1/2: the module's (low-precision) weights made again from every rank's fp32
+    partition, all-gathered across the data-parallel group (a collective)."""
+    getattr(optimizer, REGATHER)()
 
 
 def offloads_optimizer(optimizer: Any) -> bool:

@@ -15,6 +15,12 @@ one per-step exchange (so every rank sums the same squared norms and takes the s
 non-finite count, and decides alike), then lets the engine step, or runs the engine's step with
 the basic optimizer held (a skip: DeepSpeed releases the gradients and counts the step, nothing
 is updated), or restores an in-memory snapshot of every rank's own partition (a rollback).
+
+Under ZeRO-1 and 2 every data-parallel rank holds the whole module, all-gathered from the ranks'
+partitions at each step: every `replicas.every` steps, before the engine steps, the guard checks
+that those copies (the weights this step's forward and backward used) agree, and where some
+rank's copy left the majority's it skips the step and gathers the weights again from the
+partitions. Under ZeRO-3 nothing is replicated, and nothing is checked.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import json
 import math
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,10 +40,11 @@ import torch.distributed as dist
 
 from trainguard._torch_private import foreach_norm
 from trainguard.actions.optimizer_step import OptimizerActions
+from trainguard.actions.replicas import ReplicaResync
 from trainguard.actions.snapshots import rng_from_plain, rng_state, rng_to_plain, set_rng_state
 from trainguard.actions.user_actions import ActionTarget, build_actions, run_actions
 from trainguard.config import GuardConfig
-from trainguard.distributed import StepExchange
+from trainguard.distributed.replicas import ReplicaFingerprint
 from trainguard.events import Decision, Event, EventKind, TrainguardError
 from trainguard.guard import Guard, _point_from_signals
 from trainguard.integrations import _deepspeed_private as private
@@ -197,7 +205,7 @@ class ZeroPartition:
             [state_dict] * world, load_optimizer_states=True, load_from_fp32_weights=True
         )
         if self.engine.zero_optimization_stage() in (1, 2):
-            optimizer.update_lp_params()  # the bit16 weights from the restored fp32 partition
+            private.regather_weights(optimizer)  # the bit16 weights from the restored partition
         if hasattr(optimizer, "checkpoint_event_epilogue"):
             optimizer.checkpoint_event_epilogue()
 
@@ -238,6 +246,47 @@ class EngineActions(OptimizerActions):
             private.engine_step(self.engine)
 
 
+class ZeroRegather(ReplicaResync):
+    """Repairs diverged replicas under ZeRO-1/2 the way DeepSpeed makes them: each rank copies
+    its fp32 partition into the module's weights and the ranks all-gather them. Each partition
+    is the only copy of its part (the fingerprint compares the gathered copies, not the
+    partitions), so it is gathered again rather than broadcast from one replica."""
+
+    def __init__(self, fingerprint: ReplicaFingerprint, engine: Any) -> None:
+        super().__init__(fingerprint, engine.module)
+        self.engine = engine
+
+    @torch.no_grad()
+    def apply(self, decision: Decision, dropped: list[int]) -> list[Event]:
+        """Gather every rank's weights again from the partitions (a collective: every rank
+        calls it); the event that says so. `dropped`: snapshots set aside (none here: they hold
+        partitions, not the gathered copies)."""
+        if decision.resync_from is None:
+            return []
+        private.regather_weights(self.engine.optimizer)
+        ranks = ", ".join(str(r) for r in decision.resync_ranks)
+        ranks = ("rank " if len(decision.resync_ranks) == 1 else "ranks ") + ranks
+        event = Event(
+            step=decision.step,
+            kind=EventKind.REPLICA_RESYNC,
+            severity="warning",
+            message=(
+                f"gathered the module's weights again from the ZeRO partitions on every rank, "
+                f"which gives {ranks} the majority's copy back; the next step checks it, and "
+                "this step's update was left out (its gradients came in part from a diverged "
+                "replica)"
+            ),
+            metrics={
+                "source": "zero_partitions",
+                "ranks": list(decision.resync_ranks),
+                "dropped_snapshots": dropped,
+            },
+            action=decision.action,
+        )
+        event.rank = decision.resync_ranks[0] if decision.resync_ranks else None
+        return [event]
+
+
 class DeepSpeedGuard(Guard):
     """Watches every optimizer step of a DeepSpeed engine and steps, skips, rolls back or
     halts it, with the plain loop's detectors, policy, recovery and run files.
@@ -265,8 +314,15 @@ class DeepSpeedGuard(Guard):
         self.gradients = ZeroGradients(engine)
         Monitor.__init__(self, cfg, run_dir, sinks, device=self.gradients.device)
         engine.lr_scheduler = None  # stepped by the guard from here on, only on steps it takes
-        self.exchange = StepExchange(self.ranks) if self.ranks is not None else None
+        self.exchange = self._step_exchange()
         self._local_norm = None
+        self.replicas = None
+        self._resync = None
+        self._recheck = False
+        if self.ranks is not None and _replicates_module(engine, self.ranks.world_size):
+            self._watch_replicas(engine.module, None)  # the ZeRO optimizer partitions its state
+            if self.replicas is not None:
+                self._resync = ZeroRegather(self.replicas, engine)
         actions = EngineActions(engine, self.scheduler)
         self.recovery = Recovery(
             cfg, self.policy, self.detectors, self.quarantine, EngineCounters(engine),
@@ -276,6 +332,8 @@ class DeepSpeedGuard(Guard):
         self.user_actions = build_actions(cfg)
         self.checkpointing = None
         self._resume_data = None
+        self.checkpoint_clock = time.monotonic  # seconds; tests replace it
+        self._last_checkpoint_at = None
         self._size_confirmation()
         self.findings = []
         self._micro_losses: list[torch.Tensor] = []
@@ -315,18 +373,22 @@ class DeepSpeedGuard(Guard):
         step = self.global_step
         measurement = self.gradients.measure(mean_loss)
         batches = self.recovery.batches
-        if self.exchange is not None:  # every rank's figures, in the step's one collective
+        checkpoint_due = self._checkpoint_due_by_time()
+        if self.exchange is not None:  # every rank's figures, in the step's exchange
             self.exchange.share(
                 measurement,
                 hook=None,
                 ready_at=batches.ready_at if batches is not None else None,
                 data_wait=batches.data_wait if batches is not None else 0.0,
                 last_step_time=self.recorder.last_step_time,
+                checkpoint_due=checkpoint_due,
             )
         signals = self.gradients.resolve(measurement)
         point = _point_from_signals(step, signals)
+        self._check_replicas(point)  # before the engine steps: the weights this step used
         if self.exchange is not None:
             self.exchange.add_rank_figures(point, signals.extra)
+            checkpoint_due = self.exchange.checkpoint_due  # any rank's clock: due on all
         decision, events = self._decide(point, batch_ids, self.recovery.has_target)
         events += self._publish(
             self.recovery.hold_data(decision, signals.loss, batch_ids, sample_ids)
@@ -338,9 +400,10 @@ class DeepSpeedGuard(Guard):
             actions.step(signals.loss)
             events += self._publish(self.recovery.cut_lr(decision))
             self.recovery.maybe_snapshot(self.global_step)
-            self._maybe_checkpoint()
+            self._maybe_checkpoint(checkpoint_due)
         else:
             actions.skip()
+            events += self._resync_replicas(decision)
             if decision.action == "rollback":
                 self.global_step, done = self.recovery.roll_back(decision)
                 events += self._publish(done)
@@ -363,11 +426,17 @@ class DeepSpeedGuard(Guard):
         """Where `engine.save_checkpoint` writes (`run_dir/checkpoints`), None without a run_dir."""
         return self.run_dir / "checkpoints" if self.run_dir is not None else None
 
-    def _maybe_checkpoint(self) -> None:
-        every = self.config.recovery.checkpoint_every
-        if self.checkpoint_dir is None or not every or self.global_step % every:
-            return
-        self.save_checkpoint()
+    @property
+    def _saves_checkpoints(self) -> bool:
+        return self.checkpoint_dir is not None
+
+    def _resync_replicas(self, decision: Decision) -> list[Event]:
+        """Gather the weights again where the decision says some replica diverged (every rank);
+        the snapshots stay: they hold the partitions, which the gathered copies came from."""
+        if decision.resync_from is None or self._resync is None:
+            return []
+        self._recheck = True
+        return self._publish(self._resync.apply(decision, []))
 
     def save_checkpoint(self) -> None:
         """Write a checkpoint of the state at the start of the next step, on every rank alike:
@@ -380,6 +449,7 @@ class DeepSpeedGuard(Guard):
                 "checkpoints need a run_dir: build DeepSpeedGuard(engine, run_dir=...)"
             )
         step = self.global_step
+        self._last_checkpoint_at = self.checkpoint_clock()  # the time interval counts from here
         tag = f"{TAG_PREFIX}{step}"
         scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
         self.engine.save_checkpoint(
@@ -474,6 +544,13 @@ class DeepSpeedGuard(Guard):
                 )
             ]
         )
+
+
+def _replicates_module(engine: Any, world: int) -> bool:
+    """Whether every rank holds the whole module, so that the replicas can be compared: ZeRO-1
+    and 2 with every rank in the one data-parallel group (ZeRO-3 partitions the parameters)."""
+    stage = engine.zero_optimization_stage()
+    return stage in (1, 2) and private.data_parallel_size(engine.optimizer) == world
 
 
 def _write_atomically(path: Path, text: str) -> None:
