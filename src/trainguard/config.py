@@ -308,7 +308,7 @@ class ReplicasConfig(_Section):
         ge=0,
         description="Steps between checks (one all-reduce of 4 numbers a layer group, and one "
         "host transfer); 0 turns them off. Off where the parameters are sharded, not replicated "
-        "(FSDP2).",
+        "(FSDP2, DeepSpeed ZeRO-3).",
     )
 
 
