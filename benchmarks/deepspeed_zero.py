@@ -6,8 +6,9 @@ DeepSpeed engines (ZeRO-2, fp32, gradient clipping 1.0) in the same processes, t
 step by step so machine noise falls on both alike:
 
 - plain: engine(x), engine.backward(loss), engine.step()
-- guarded: engine(x), engine.backward(loss), guard.step(loss): the partition's norms, one
-  all-gather, the detectors and the decision, then engine.step()
+- guarded: engine(x), engine.backward(loss), guard.step(loss): the partition's norms, the
+  per-step exchange (the default, reduce: a SUM and a MAX), the detectors and the decision,
+  then engine.step()
 
 Run: DS_ACCELERATOR=cpu python benchmarks/deepspeed_zero.py [--steps 40] [--no-write]
 """
@@ -91,8 +92,11 @@ def worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
                 times[name].append(time.perf_counter() - start)
     guard.close()
     calls = guard.exchange.calls if guard.exchange else 0
+    kind = type(guard.exchange).__name__
     dist.destroy_process_group()
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps({**times, "calls": calls}))
+    (Path(out) / f"rank{rank}.json").write_text(
+        json.dumps({**times, "calls": calls, "exchange": kind})
+    )
 
 
 def main() -> None:
@@ -121,8 +125,9 @@ def main() -> None:
             f"| engine.step() | {plain * 1000:.1f} | 1.000 |",
             f"| DeepSpeedGuard.step | {guard * 1000:.1f} | {guard / plain:.3f} |",
             "",
-            f"The guard made {ranks[0]['calls']} all-gathers for {args.steps + 5} steps: one per "
-            "step, carrying every rank's loss, non-finite count, partition norm and timings.",
+            f"The guard's exchange ({ranks[0]['exchange']}, the default) made "
+            f"{ranks[0]['calls']} collectives for {args.steps + 5} steps: a SUM and a MAX a "
+            "step, carrying the ranks' losses, non-finite counts, partition norms and timings.",
         ]
     )
     print(body)
