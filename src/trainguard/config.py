@@ -254,7 +254,8 @@ class RanksConfig(_Section):
     ratio_threshold: float = Field(
         3.0,
         gt=1,
-        description="And a rank's ratio to the median of the others over this x its usual one.",
+        description="And a rank's ratio to the others (their geometric mean under `reduce`, their "
+        "median under `gather`) over this x its usual one.",
     )
     z_threshold: float = Field(
         6.0,
@@ -274,25 +275,28 @@ class RanksConfig(_Section):
     warmup_ratio: float = Field(
         50.0,
         gt=1,
-        description="Until then, a rank over this x the median of the others is out of line.",
+        description="Until then, a rank over this x the others (as in `ratio_threshold`) is out "
+        "of line.",
     )
     min_spread: float = Field(
         0.05,
         gt=0,
         description="The floor of a rank's normal spread, relative (0.05: 5% of the others' "
-        "median).",
+        "centre).",
     )
 
 
 class StragglerConfig(_Section):
-    """A rank slower than the median rank, window after window."""
+    """A rank slower than the others (their mean under `ranks.exchange: reduce`, their median under
+    `gather`), window after window."""
 
     enabled: bool = Field(True, description="Report ranks that are slow window after window.")
     every: int = Field(20, ge=1, description="Steps per timing window.")
     factor: float = Field(
         1.5,
         gt=1,
-        description="Mean step time over this x the median of the other ranks is slow.",
+        description="Mean step time over this x the other ranks' (their mean under `reduce`, their "
+        "median under `gather`) is slow.",
     )
     windows: int = Field(3, ge=1, description="Slow windows in a row before it is reported.")
 
@@ -528,7 +532,10 @@ class RecoveryConfig(_Section):
         2, ge=1, description="Rollbacks an architecture-type fault survives before a halt."
     )
     checkpoint_every: int = Field(
-        500, ge=0, description="Steps between durable checkpoints in run_dir; 0 turns them off."
+        500,
+        ge=0,
+        description="Steps between durable checkpoints in run_dir; 0: none by steps "
+        "(`checkpoint_every_s` still applies).",
     )
     checkpoint_every_s: float | None = Field(
         None,

@@ -204,7 +204,9 @@ class StepPolicy:
                 else "no replica agrees with a majority of the others in every layer group, so "
                 "none can be trusted to copy from: resume every rank from a checkpoint taken "
                 + (f"at or before step {agreed}" if agreed is not None else "before it")
-                + " and look for the rank's faulty device, or the misconfigured parallelism"
+                + " (Guard.resume takes the newest: move newer step-N folders out of "
+                "run_dir/checkpoints first; with none that old, restart from scratch), and look "
+                "for the rank's faulty device, or the misconfigured parallelism"
             )
             return self._halt(point, events, f"{event.message}; {why}")
         ranks = [int(r) for r in event.metrics.get("ranks", [])]
