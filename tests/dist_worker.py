@@ -68,6 +68,7 @@ def run(rank: int, world: int, scenario: str, out: str, port: int) -> None:
     torch.manual_seed(1234 + rank)
     try:
         result = SCENARIOS[scenario](rank, world, Path(out))
+        dist.barrier()  # no rank tears down its connections while a peer's last send is in flight
     finally:
         dist.destroy_process_group()
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
