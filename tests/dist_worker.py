@@ -3,6 +3,7 @@ backend in its own process and writes what it saw to a JSON file per rank."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -70,6 +71,9 @@ def run(rank: int, world: int, scenario: str, out: str, port: int) -> None:
         result = SCENARIOS[scenario](rank, world, Path(out))
         dist.barrier()  # no rank tears down its connections while a peer's last send is in flight
     finally:
+        # the scenario's guard, DDP and FSDP objects (in reference cycles) release their groups
+        # and pending work now, not in the interpreter's finalization, where gloo can abort
+        gc.collect()
         dist.destroy_process_group()
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
 
