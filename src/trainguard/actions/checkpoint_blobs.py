@@ -74,7 +74,8 @@ def blob_digest(data: torch.Tensor) -> str:
     return hashlib.sha256(byte_view(data).numpy().data).hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (a rename, a new file) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -163,7 +164,7 @@ class BlobWriter(StorageWriter):
                 self.written += size
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=digest))
         if touched:
-            _fsync_dir(self.blobs)
+            fsync_dir(self.blobs)
         done: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         done.set_result(results)
         return done

@@ -34,6 +34,7 @@ from trainguard.actions.checkpoint_blobs import (
     BlobWriter,
     DigestMemory,
     collect_blobs,
+    fsync_dir,
     read_table,
     same_bytes,
     verify_blobs,
@@ -61,14 +62,6 @@ from trainguard.events import TrainguardError, _utc_now
 
 PREFIX = "step-"
 Accepted = TypeVar("Accepted")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _no_dist() -> bool:
@@ -346,12 +339,12 @@ class CheckpointStore:
             json.dump(record, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         final = self.directory / f"{PREFIX}{step}"
         if final.exists():  # a replayed step after a rollback: the newer trajectory wins
             self._delete(final)
         os.rename(tmp, final)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         self._prune()
 
     def _delete(self, path: Path) -> None:
