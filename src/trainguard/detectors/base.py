@@ -87,6 +87,12 @@ class MetricPoint:
     # a replica check's outcome: None where none was made, {} where every replica agreed, else
     # per layer group where they differ each rank's class (ranks of one class hold equal weights)
     replica_classes: dict[str, list[int]] | None = None
+    # the share of tokens whose argmax is the target: on a sampled step, or passed in
+    token_accuracy: float | None = None
+    # on a sampled step (`precursors.every`), the precursors of divergence: signal -> layer ->
+    # value; signals "max_logit", "attn_entropy", "block_rms", "adam_eps_ratio" (per layer) and
+    # "log_z" (layer "output")
+    precursors: dict[str, dict[str, float]] | None = None
 
     @property
     def loss_finite(self) -> bool:
