@@ -117,6 +117,28 @@ def test_zero_and_non_finite_norms_give_no_ratio() -> None:
     assert run(detector, points) == []
 
 
+def test_a_scalar_crossing_zero_is_not_a_jump_but_a_write_to_it_is() -> None:
+    """A lone scalar bias drifting across zero (|b| from 0.03 through 1e-5 and back) changes its
+    norm x1000 in ratio, but little against its own size: no warning; a x1000 write to it warns."""
+    rng = torch.Generator().manual_seed(5)
+
+    def scalar(write_at: int | None) -> list[MetricPoint]:
+        points = []
+        for step in range(600):
+            bias = 0.03 * math.cos(step / 40) + 1e-4 * float(torch.randn((), generator=rng))
+            if step == 317:
+                bias = 1e-5  # passes close to zero
+            if write_at is not None and step >= write_at:
+                bias *= 1000
+            norms = {"body": 10.0 * (1 + 1e-4 * step), "scale": abs(bias)}
+            points.append(MetricPoint(step=step, loss=1.0, group_param_norms=norms))
+        return points
+
+    assert run(WeightJumpDetector(), scalar(None)) == []
+    events = run(WeightJumpDetector(), scalar(write_at=450))
+    assert [(e.step, e.metrics["group"]) for e in events] == [(450, "scale")]
+
+
 def test_state_round_trips_mid_stream() -> None:
     points = stream(300, {250: 50.0})
     first = WeightJumpDetector()

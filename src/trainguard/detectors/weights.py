@@ -15,6 +15,9 @@ QUIET_STEPS = 5  # steps without a jump that end an incident
 RECENT = 50  # moves a group's median move is read from
 LEARN_CAP = math.log(2.0)  # moves are learned up to x2: a run's own recurring moves stop
 # warning after the first, while after a x1000 write a later one still warns
+NORM_FLOOR = 0.5  # a candidate jump is judged on norms floored at this share of the group's
+# median norm over its last RECENT steps: a small group (a lone scalar bias) crossing zero
+# moves x100 in ratio but not against its own size
 
 
 class WeightJumpDetector(Detector):
@@ -23,10 +26,11 @@ class WeightJumpDetector(Detector):
     `median_factor` x its median move. One warning per incident (it ends after `QUIET_STEPS`
     steps without a jump), naming the group that moved most; none where the LR the run gives
     jumped (`stats.lr_increased`) within `QUIET_STEPS` steps, as a warm restart does: the run
-    moved them."""
+    moved them. A candidate is judged on norms floored at half the group's median norm, so a
+    small group passing near zero (a lone scalar bias changing sign) is not a jump."""
 
     name = "weight_jump"
-    _state = ("last", "groups", "recent", "quiet", "lrs")
+    _state = ("last", "groups", "recent", "sizes", "quiet", "lrs")
 
     def __init__(self, config: WeightJumpConfig | None = None) -> None:
         self.config = config or WeightJumpConfig()
@@ -34,6 +38,7 @@ class WeightJumpDetector(Detector):
         # each group's [steps seen, largest move in this half-window, in the one before]
         self.groups: dict[str, list[float]] = {}
         self.recent: dict[str, list[float]] = {}  # each group's last RECENT moves
+        self.sizes: dict[str, list[float]] = {}  # each group's last RECENT norms
         self.quiet = QUIET_STEPS  # steps since the last jump
         self.lrs: deque[float] = deque(maxlen=QUIET_STEPS + 1)  # the LRs of the latest steps
 
@@ -62,10 +67,14 @@ class WeightJumpDetector(Detector):
             move = abs(math.log(norm / prev))
             h = self.groups.setdefault(name, [0.0, 0.0, 0.0])
             recent = self.recent.setdefault(name, [])
+            sizes = self.sizes.setdefault(name, [])
             limit = max(floor, cfg.reach_factor * max(h[1], h[2]))
-            if h[0] >= cfg.warmup and move > limit:  # the median is read only past the rest
+            if h[0] >= cfg.warmup and move > limit:  # medians are read only past the rest
                 if recent:
                     limit = max(limit, cfg.median_factor * median(recent))
+                if sizes:
+                    least = NORM_FLOOR * median(sizes)
+                    move = min(move, abs(math.log(max(norm, least) / max(prev, least))))
                 if move > limit:
                     jumps.append((move, name, norm / prev, limit))
             h[0] += 1
@@ -73,8 +82,11 @@ class WeightJumpDetector(Detector):
             if h[0] % half == 0:  # the largest move of the last one to two half-windows
                 h[2], h[1] = h[1], 0.0
             recent.append(move)
+            sizes.append(norm)
             if len(recent) > RECENT:
                 del recent[0]
+            if len(sizes) > RECENT:
+                del sizes[0]
         if not jumps:
             self.quiet += 1
             return []
