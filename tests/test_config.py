@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 import trainguard as tg
 from trainguard.config import GuardConfig
+from trainguard.events import ConfigError
 
 
 def test_every_threshold_has_a_documented_default():
@@ -75,3 +79,23 @@ def test_bad_config_is_one_clear_line(tmp_path, text, suffix, fragment):
 def test_missing_file(tmp_path):
     with pytest.raises(tg.ConfigError, match="config file not found"):
         GuardConfig.load(tmp_path / "nope.yaml")
+
+
+def test_a_guard_takes_a_mapping_or_a_path_and_refuses_anything_else(tmp_path: Path) -> None:
+    """Guard(config=...) validates a dict and reads a YAML path as GuardConfig.load does; a bad
+    field or a wrong type is one ConfigError line naming it, never an AttributeError."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = tg.Guard(model, opt, config={"max_grad_norm": 3.0}, run_dir=tmp_path / "a")
+    assert guard.config.max_grad_norm == 3.0
+    guard.close()
+    path = tmp_path / "guard.yaml"
+    path.write_text("max_grad_norm: 2.5\n")
+    guard = tg.Guard(model, opt, config=str(path), run_dir=tmp_path / "b")
+    assert guard.config.max_grad_norm == 2.5
+    guard.close()
+    with pytest.raises(ConfigError, match=r"^config: max_grad_norm: .*fix that field") as bad:
+        tg.Guard(model, opt, config={"max_grad_norm": "lots"}, run_dir=tmp_path / "c")
+    assert "\n" not in str(bad.value)
+    with pytest.raises(ConfigError, match=r"config must be a GuardConfig, a mapping .* not a list"):
+        tg.Monitor(config=[1, 2], run_dir=tmp_path / "d")  # type: ignore[arg-type]

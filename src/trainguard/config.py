@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 import numpy as np
 import yaml
@@ -696,6 +697,23 @@ class GuardConfig(_Section):
             ) from None
 
     @classmethod
+    def of(cls, config: ConfigInput) -> GuardConfig:
+        """A config as given to a guard: itself, the defaults for None, a mapping validated, or the
+        path of a YAML/TOML file read; anything else is a one-line ConfigError."""
+        if config is None:
+            return cls()
+        if isinstance(config, GuardConfig):
+            return config
+        if isinstance(config, Mapping):
+            return cls.from_dict(dict(config))
+        if isinstance(config, (str, Path)):
+            return cls.load(config)
+        raise ConfigError(
+            f"config must be a GuardConfig, a mapping of settings or the path of a YAML/TOML "
+            f"file, not a {_kind_of(config)}"
+        )
+
+    @classmethod
     def load(cls, path: str | Path) -> GuardConfig:
         """Read a YAML (.yaml/.yml) or TOML (.toml) file; JSON is accepted as YAML."""
         p = Path(path)
@@ -711,6 +729,9 @@ class GuardConfig(_Section):
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
 
+
+# what a guard accepts as its config (`GuardConfig.of`)
+ConfigInput: TypeAlias = "GuardConfig | Mapping[str, Any] | str | Path | None"
 
 MAX_CONFIG_DEPTH = 50  # a config nests 3 levels; deeper input is refused before it is parsed
 

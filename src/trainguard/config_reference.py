@@ -23,8 +23,9 @@ Generated from `GuardConfig` (`src/trainguard/config.py`) by `trainguard config 
 do not edit it by hand. To regenerate it: `{REGENERATE}`.
 
 Every setting has a default, so a config file names only what it changes. Pass a
-`tg.GuardConfig(...)` to the Guard, or write YAML or TOML and load it with
-`tg.GuardConfig.load("guard.yaml")`. `trainguard config guard.yaml` prints the effective
+`tg.GuardConfig(...)`, a dict of settings or the path of a YAML or TOML file as the guard's
+`config=` (`tg.GuardConfig.load("guard.yaml")` reads a file);
+`trainguard config guard.yaml` prints the effective
 configuration and names a wrong field in one line. Each section below is a key of the file:
 
 ```yaml

@@ -24,7 +24,7 @@ from trainguard.actions.replicas import ReplicaResync
 from trainguard.actions.snapshots import SnapshotRing
 from trainguard.actions.user_actions import ActionTarget, build_actions, run_actions
 from trainguard.checkpointing import Checkpointing
-from trainguard.config import GuardConfig
+from trainguard.config import ConfigInput, GuardConfig
 from trainguard.detectors import DetectorSuite, MetricPoint
 from trainguard.detectors.loss_spike import LossSpikeDetector
 from trainguard.detectors.ranks import RankOutlierDetector, StragglerDetector
@@ -71,7 +71,7 @@ class Guard(Monitor):
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
         scaler: torch.amp.GradScaler | None = None,
-        config: GuardConfig | None = None,
+        config: ConfigInput = None,
         run_dir: str | Path | None = None,
         sinks: Sequence[Sink] = (),
         lint_scheduler: Any = None,
@@ -82,7 +82,7 @@ class Guard(Monitor):
             raise TrainguardError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        cfg = config if config is not None else GuardConfig()
+        cfg = GuardConfig.of(config)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -459,7 +459,7 @@ class Guard(Monitor):
         optimizer: torch.optim.Optimizer,
         scheduler: Any = None,
         scaler: torch.amp.GradScaler | None = None,
-        config: GuardConfig | None = None,
+        config: ConfigInput = None,
         sinks: Sequence[Sink] = (),
     ) -> Guard:
         """A Guard restored from the newest complete checkpoint in `run_dir`: model, optimizer,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from trainguard.config import GuardConfig
+from trainguard.config import ConfigInput, GuardConfig
 from trainguard.detectors import DetectorSuite, MetricPoint
 from trainguard.distributed import RankContext
 from trainguard.enrichment import EventEnricher
@@ -32,14 +32,14 @@ class Monitor:
 
     def __init__(
         self,
-        config: GuardConfig | None = None,
+        config: ConfigInput = None,
         run_dir: str | Path | None = None,
         sinks: Sequence[Sink] = (),
         *,
         device: torch.device | None = None,
     ) -> None:
         """`device` is where a distributed run's collectives keep their tensors."""
-        self.config = config if config is not None else GuardConfig()
+        self.config = GuardConfig.of(config)
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.detectors = DetectorSuite(self.config)
         self.policy = StepPolicy(

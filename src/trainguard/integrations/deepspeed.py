@@ -43,7 +43,7 @@ from trainguard.actions.optimizer_step import OptimizerActions
 from trainguard.actions.replicas import ReplicaResync
 from trainguard.actions.snapshots import rng_from_plain, rng_state, rng_to_plain, set_rng_state
 from trainguard.actions.user_actions import ActionTarget, build_actions, run_actions
-from trainguard.config import GuardConfig
+from trainguard.config import ConfigInput, GuardConfig
 from trainguard.distributed.replicas import ReplicaFingerprint
 from trainguard.events import Decision, Event, EventKind, TrainguardError
 from trainguard.guard import Guard, _point_from_signals
@@ -299,12 +299,12 @@ class DeepSpeedGuard(Guard):
     def __init__(
         self,
         engine: Any,
-        config: GuardConfig | None = None,
+        config: ConfigInput = None,
         run_dir: str | Path | None = None,
         sinks: Sequence[Sink] = (),
     ) -> None:
         check_engine(engine)
-        cfg = config if config is not None else GuardConfig()
+        cfg = GuardConfig.of(config)
         cfg = cfg.model_copy(update={"max_grad_norm": None})  # the engine clips
         self.engine = engine
         self.model = engine.module
@@ -486,7 +486,7 @@ class DeepSpeedGuard(Guard):
         cls,
         run_dir: str | Path,
         engine: Any,
-        config: GuardConfig | None = None,
+        config: ConfigInput = None,
         sinks: Sequence[Sink] = (),
     ) -> DeepSpeedGuard:
         """A guard restored from the newest complete checkpoint in `run_dir` (DeepSpeed's

@@ -10,7 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from trainguard._torch_private import mark_optimizer_stepped, mark_step_wrapped
-from trainguard.config import GuardConfig
+from trainguard.config import ConfigInput, GuardConfig
 from trainguard.events import TrainguardError, TrainingHalted
 from trainguard.guard import Guard
 from trainguard.integrations.schedules import PerStepSchedule, ScheduleHistory
@@ -33,11 +33,11 @@ class TrainguardCallback(pl.Callback):
 
     def __init__(
         self,
-        config: GuardConfig | None = None,
+        config: ConfigInput = None,
         run_dir: str | Path | None = None,
         take_over_clipping: bool = True,
     ) -> None:
-        self.config = config or GuardConfig()
+        self.config = GuardConfig.of(config)
         self.run_dir = run_dir
         self.take_over_clipping = take_over_clipping
         self.guard: Guard | None = None
