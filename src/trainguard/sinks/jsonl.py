@@ -56,6 +56,30 @@ class EventLog(Sink):
         self.lines.close(sync=True)
 
 
+class EvalLog(Sink):
+    """`evals.jsonl`: one JSON object per `guard.evaluate` call (step, time, values), written
+    at once; the file is created at the first evaluation."""
+
+    def __init__(self, path: str | Path, report: Report = stderr_report) -> None:
+        self.path = Path(path)
+        self.report = report
+        self.lines: LineFile | None = None
+
+    @property
+    def dropped(self) -> int:
+        """Evaluation lines the disk refused, over the run."""
+        return 0 if self.lines is None else self.lines.dropped
+
+    def on_evaluation(self, record: dict[str, Any]) -> None:
+        if self.lines is None:
+            self.lines = _open_lines(self.path, self.report)
+        self.lines.write((json.dumps(record, allow_nan=False) + "\n").encode())
+
+    def close(self) -> None:
+        if self.lines is not None:
+            self.lines.close()
+
+
 class MetricsLog(Sink):
     """`metrics.jsonl`: one JSON object per logged step, written at once."""
 
