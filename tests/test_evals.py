@@ -306,3 +306,103 @@ def test_analyze_reads_a_token_accuracy_column(tmp_path: Path):
     data = read_log(log)
     found = [e for e in analyze(data, GuardConfig(console=False)).events]
     assert [e.step for e in found if e.kind == "token_accuracy"] == [300]
+
+
+# -- the offline path: logs with evaluation columns --------------------------------------------
+
+
+def hf_state(path: Path, steps: np.ndarray, train: np.ndarray, evals: list[tuple[int, float]]):
+    history: list[dict[str, Any]] = []
+    pending = list(evals)
+    for step, loss in zip(steps.tolist(), train.tolist(), strict=True):
+        history.append({"step": step, "epoch": step / 1000, "loss": loss, "learning_rate": 1e-4})
+        while pending and pending[0][0] <= step:
+            at, value = pending.pop(0)
+            history.append(
+                {
+                    "step": at,
+                    "epoch": at / 1000,
+                    "eval_loss": value,
+                    "eval_accuracy": 1.0 - value / 5,
+                    "eval_runtime": 1.5,
+                    "eval_samples_per_second": 100.0,
+                    "eval_steps_per_second": 10.0,
+                }
+            )
+    path.write_text(json.dumps({"log_history": history, "global_step": int(steps[-1])}))
+
+
+def test_analyze_of_a_trainer_state_finds_the_forgetting_the_live_path_finds(tmp_path):
+    from trainguard.analysis.analyzer import analyze
+    from trainguard.analysis.logs import read_log
+
+    steps, train, evals = curves(seed=4)
+    hf_state(tmp_path / "trainer_state.json", steps, train, evals)
+    data = read_log(tmp_path / "trainer_state.json")
+    assert list(data.evaluations) == ["eval_loss", "eval_accuracy"]  # not runtime, throughput
+    offline = declines(analyze(data, GuardConfig(console=False)).events)
+    found: list[Event] = []
+    with Monitor(GuardConfig(console=False)) as monitor:
+        pending = list(evals)
+        for step, loss in zip(steps.tolist(), train.tolist(), strict=True):
+            monitor.observe(step, loss=loss)
+            while pending and pending[0][0] <= step:
+                at, value = pending.pop(0)
+                found += monitor.evaluate(at, {"eval_loss": value, "eval_accuracy": 1 - value / 5})
+    assert len(found) == 2 and {e.metrics["name"] for e in found} == {"eval_loss", "eval_accuracy"}
+    assert [(e.step, e.message) for e in offline] == [(e.step, e.message) for e in declines(found)]
+
+
+def test_analyze_of_a_lightning_csv_and_of_a_guarded_run_folder_find_the_same(tmp_path):
+    from trainguard.analysis.analyzer import analyze
+    from trainguard.analysis.logs import read_log
+
+    steps, train, evals = curves(seed=5)
+    rows = ["epoch,step,train_loss,val_loss,val_acc"]
+    pending = list(evals)
+    for step, loss in zip(steps.tolist(), train.tolist(), strict=True):
+        rows.append(f"0,{step},{loss!r},,")
+        while pending and pending[0][0] <= step:
+            at, value = pending.pop(0)
+            rows.append(f"0,{at},,{value!r},{1 - value / 5!r}")
+    (tmp_path / "metrics.csv").write_text("\n".join(rows) + "\n")
+    data = read_log(tmp_path / "metrics.csv")
+    assert set(data.evaluations) == {"val_loss", "val_acc"} and not data.warnings
+    offline = declines(analyze(data, GuardConfig(console=False)).events)
+    run_dir = tmp_path / "run"
+    expected = declines(live(steps, train, evals, run_dir=run_dir))
+    assert [e.step for e in offline if e.metrics["name"] == "val_loss"] == [
+        e.step for e in expected
+    ]
+    assert len(offline) == 2
+    # the guarded run's folder: metrics.jsonl with evals.jsonl beside it
+    again = read_log(run_dir / "metrics.jsonl")
+    assert list(again.evaluations) == ["val_loss"]
+    redone = declines(analyze(again, GuardConfig(console=False)).events)
+    assert [(e.step, e.message) for e in redone] == [(e.step, e.message) for e in expected]
+
+
+def test_the_report_draws_a_panel_per_evaluation_with_the_decline_marked(tmp_path):
+    from trainguard.analysis.run import load_run
+    from trainguard.sinks.html_report import _curves, final_types, incidents_of
+
+    steps, train, evals = curves(seed=6)
+    run_dir = tmp_path / "run"
+    names = [f"bench_{k}" for k in range(10)]  # ten evaluations: eight panels
+    with Monitor(GuardConfig(console=False), run_dir=run_dir) as monitor:
+        pending = list(evals)
+        for step, loss in zip(steps.tolist(), train.tolist(), strict=True):
+            monitor.observe(step, loss=loss)
+            while pending and pending[0][0] <= step:
+                at, value = pending.pop(0)
+                monitor.evaluate(at, {"val_loss": value, **dict.fromkeys(names, 0.5)})
+    record = load_run(run_dir)
+    assert set(record.evals) == {"val_loss", *names}
+    figure = _curves(record, incidents_of(record.events), final_types(record.events))
+    panels = [t["name"] for t in figure["data"] if t.get("mode") == "lines+markers"]
+    assert panels == ["val loss", *[n.replace("_", " ") for n in names[:7]]]
+    (marker,) = [t for t in figure["data"] if t.get("name") == "eval decline"]
+    event = next(e for e in record.events if e["kind"] == "eval_decline")
+    assert marker["x"] == [event["step"]] and marker["y"] == [event["metrics"]["value"]]
+    (curve,) = [t for t in figure["data"] if t.get("name") == "val loss"]
+    assert marker["yaxis"] == curve["yaxis"] != "y"  # on the evaluation's panel, not the loss's

@@ -317,6 +317,10 @@ def read_runs(
             from trainguard.analysis.run import recorded_events
 
             runs[0].recorded = recorded_events(p.parent / "events.jsonl", runs[0].warnings)
+        if p.name == "metrics.jsonl" and (p.parent / "evals.jsonl").is_file():
+            from trainguard.analysis.run import recorded_evaluations
+
+            runs[0].evaluations = recorded_evaluations(p.parent / "evals.jsonl", runs[0].warnings)
         return _chosen_run(p, runs, run)
     except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
         raise _damaged_gzip(p, exc) from None
