@@ -215,8 +215,8 @@ class OscillationConfig(_Section):
 
 class EvalDeclineConfig(_Section):
     """An evaluation that worsens over its recent best while the training loss still falls
-    (forgetting): the mean of its last two values against the best mean of two consecutive
-    values over the last `window`, worse by `noise_sigmas` times its own noise and by
+    (forgetting): both of its last two values against the best mean of two consecutive values
+    before them over the last `window`, worse by `noise_sigmas` times its own noise and by
     `min_rel_decline`."""
 
     enabled: bool = Field(True, description="Watch evaluations (`guard.evaluate`) for a decline.")

@@ -7,10 +7,12 @@ import math
 from collections import deque
 from typing import ClassVar
 
+import numpy as np
+
 from trainguard.config import EvalDeclineConfig
 from trainguard.detectors.base import Detector, EvalPoint, MetricPoint, fmt
-from trainguard.detectors.series import MetricSeries
-from trainguard.detectors.stats import median, noise_and_drift
+from trainguard.detectors.series import MetricSeries, spread_sigmas
+from trainguard.detectors.stats import MAD_TO_SIGMA, median
 from trainguard.events import Event, EventKind
 
 ADVICE = (
@@ -21,12 +23,16 @@ RECOVERED = 0.5  # an episode ends once the decline is under this share of the r
 
 
 class EvalDeclineDetector(Detector):
-    """Raises `eval_decline` (warning) when an evaluation's mean over its last 2 values is worse
-    than the best mean of 2 consecutive values over its last `window` by more than
+    """Raises `eval_decline` (warning) when both of an evaluation's last 2 values are worse than
+    the best mean of 2 consecutive values before them over its last `window` by more than
     `noise_sigmas` times its own noise (robust, from successive differences) and by at least
     `min_rel_decline` of the best, while the training loss still falls (its median over the
-    training steps before the last two evaluations is lower than before the best two); once per
-    episode and evaluation name. A non-finite evaluation is its own warning.
+    training steps before the last two evaluations is lower than before the best two, and than
+    before the two evaluations before the last two); once per episode and evaluation name. The
+    noise is the larger of two robust estimates: from the second differences of the window
+    (blind to trend and bends) and from the spread about a quadratic of the values before the
+    last two (which does not shrink when nearby evaluations err together). A non-finite
+    evaluation is its own warning.
 
     A declining evaluation while the training loss rises too is not forgetting: the run is
     diverging, which `divergence` and `loss_spike` report from the training loss; this detector
@@ -94,10 +100,11 @@ class EvalDeclineDetector(Detector):
         sign = -1.0 if point.higher_is_better else 1.0  # a larger score is worse
         scores = [sign * r[1] for r in rows]
         pairs = [(scores[j] + scores[j + 1]) / 2 for j in range(n - 1)]
-        current, earlier = pairs[-1], pairs[:-2]  # the pairs apart from the last one
+        # the better of the last two: one bad evaluation (a bad batch of it) is no decline
+        current, earlier = min(scores[-2:]), pairs[:-2]  # the pairs apart from the last two
         b = min(range(len(earlier)), key=earlier.__getitem__)
         best = earlier[b]
-        noise, _ = noise_and_drift(scores)
+        noise = max(curve_noise(scores), float(spread_sigmas(np.array([scores[:-2]]))[0]))
         gap = current - best
         bar = max(cfg.noise_sigmas * noise, cfg.min_rel_decline * abs(best))
         name = point.name
@@ -106,17 +113,19 @@ class EvalDeclineDetector(Detector):
                 self.declining.remove(name)
             return []
         train_best = (rows[b][2] + rows[b + 1][2]) / 2
+        train_before = (rows[-4][2] + rows[-3][2]) / 2  # the two evaluations before the last two
         train_now = (rows[-2][2] + rows[-1][2]) / 2
         declined = (
             gap > cfg.noise_sigmas * noise and gap >= cfg.min_rel_decline * abs(best) and gap > 0
         )
-        if not declined or not train_now < train_best:  # NaN levels (no training loss): quiet
+        falls = train_now < train_best and train_now <= train_before  # NaN levels: no loss
+        if not declined or not falls:
             return []
         self.declining.append(name)
         value_best, value_now = sign * best, sign * current
         relative = gap / abs(best) if best else math.inf
         message = (
-            f"{name} has declined to {fmt(value_now)} (mean of the last 2 evaluations) from its "
+            f"{name} has declined to {fmt(value_now)} (the better of its last 2) from its "
             f"best {fmt(value_best)} at steps {int(rows[b][0])}-{int(rows[b + 1][0])} "
             f"({100 * relative:.1f}% worse, {gap / noise if noise else math.inf:.1f}x its noise) "
             f"while the training loss still falls ({fmt(train_best)} -> {fmt(train_now)}): "
@@ -144,3 +153,17 @@ class EvalDeclineDetector(Detector):
             message=message,
             metrics=dict(metrics),
         )
+
+
+def curve_noise(values: list[float]) -> float:
+    """The noise of one value of a curve, robust to its trend and its bends: from its second
+    differences (each holds 6 values' worth of noise variance and nothing of a straight trend),
+    less their median, winsorised at 6 MADs, as an RMS; so the steep start of a run or a jump
+    into a decline does not pass for noise, while the noise's heavy tails count."""
+    second = [c - 2 * b + a for a, b, c in zip(values, values[1:], values[2:], strict=False)]
+    if len(second) < 2:
+        return 0.0
+    centre = median(second)
+    limit = 6.0 * MAD_TO_SIGMA * median([abs(d - centre) for d in second])
+    clipped = [min(max(d - centre, -limit), limit) for d in second]
+    return math.sqrt(sum(d * d for d in clipped) / len(clipped) / 6.0)
