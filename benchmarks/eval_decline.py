@@ -174,7 +174,7 @@ def score(runs: list[Run], config: EvalDeclineConfig) -> tuple[Score, dict[str, 
 
 
 def pct(a: int, b: int) -> str:
-    return f"{a}/{b} ({100 * a / b:.0f}%)" if b else "-"
+    return f"{a}/{b} ({100 * a / b:.1f}%)" if b else "-"
 
 
 def median_of(values: list[float] | list[int] | None) -> str:
@@ -244,6 +244,17 @@ def main() -> None:
             f"| {sigmas:g} | {rel:g} | {pct(s.false_runs, s.negatives + s.positives)} | "
             f"{pct(s.visible_detected, s.visible)} | {median_of(s.lags_evals)} |"
         )
+    chosen = {(sig, rel): s for sig, rel, s in grid}
+    five, four = chosen.get((5.0, 0.01)), chosen.get((4.0, 0.01))
+    if five is not None and four is not None:
+        lines += [
+            "",
+            "The default stays at 5x the noise (with 1%): on the tune seeds 4x catches "
+            f"{four.visible_detected - five.visible_detected} more of the "
+            f"{five.visible} visible declines for {four.false_runs - five.false_runs} more "
+            f"false warnings ({four.false_runs} against {five.false_runs}); a warning nobody "
+            "can act on costs more than a decline seen one evaluation later.",
+        ]
     lines += ["", f"{len(tune) + len(held)} runs judged {len(grid) + 1} times in {elapsed:.0f} s."]
     body = "\n".join(lines)
     print(body)

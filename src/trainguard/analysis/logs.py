@@ -52,14 +52,7 @@ TOKEN_ACCURACY_NAMES = (
 # the columns of a log that hold an evaluation: named with one of these prefixes, and not one of
 # the timing figures an evaluation logs beside its results
 EVAL_PREFIXES = ("eval_", "eval/", "val_", "val/", "valid_", "valid/", "validation_", "validation/")
-EVAL_NOT = (
-    "runtime",
-    "samples_per_second",
-    "steps_per_second",
-    "tokens_per_second",
-    "num_tokens",
-    "epoch",
-)
+EVAL_NOT = ("time", "per_second", "samples", "num_tokens", "epoch")  # runtime, throughput
 MAX_EVALUATIONS = 16  # evaluations read from one log
 TB_TAGS = {  # TensorBoard tags tried in order when none is named
     "loss": ("loss", "train/loss", "train_loss", "training/loss", "loss/train"),
