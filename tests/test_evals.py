@@ -406,3 +406,46 @@ def test_the_report_draws_a_panel_per_evaluation_with_the_decline_marked(tmp_pat
     assert marker["x"] == [event["step"]] and marker["y"] == [event["metrics"]["value"]]
     (curve,) = [t for t in figure["data"] if t.get("name") == "val loss"]
     assert marker["yaxis"] == curve["yaxis"] != "y"  # on the evaluation's panel, not the loss's
+
+
+def test_the_console_tensorboard_and_prometheus_sinks_show_evaluations(tmp_path):
+    import io
+    import urllib.request
+
+    from rich.console import Console
+
+    from trainguard.sinks import ConsoleSink
+    from trainguard.sinks.prometheus import PrometheusSink
+    from trainguard.sinks.tensorboard import TensorBoardSink
+
+    record = {"step": 40, "time": "t", "values": {"val_loss": 2.5, "mmlu": 0.4, "bad": "nan"}}
+    out = io.StringIO()
+    ConsoleSink(Console(file=out, width=200), min_severity="info").on_evaluation(record)
+    assert "step 40 evaluation: val_loss 2.5, mmlu 0.4, bad nan" in out.getvalue()
+    quiet = io.StringIO()
+    ConsoleSink(Console(file=quiet, width=200)).on_evaluation(record)  # warnings only
+    assert quiet.getvalue() == ""
+
+    class Writer:
+        def __init__(self, log_dir: str) -> None:
+            self.scalars: list[tuple[str, float, int]] = []
+
+        def add_scalar(self, tag: str, value: float, step: int) -> None:
+            self.scalars.append((tag, value, step))
+
+        def close(self) -> None:
+            pass
+
+    board = TensorBoardSink(tmp_path, make_writer=Writer)
+    board.on_evaluation(record)
+    assert board.writer.scalars == [("eval/val_loss", 2.5, 40), ("eval/mmlu", 0.4, 40)]
+    prometheus = PrometheusSink(0, addr="127.0.0.1")
+    try:
+        prometheus.on_evaluation(record)
+        url = f"http://127.0.0.1:{prometheus.port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as page:
+            text = page.read().decode()
+        assert 'trainguard_eval{name="val_loss"} 2.5' in text
+        assert 'trainguard_eval{name="mmlu"} 0.4' in text and 'name="bad"' not in text
+    finally:
+        prometheus.close()
