@@ -449,3 +449,27 @@ def test_the_console_tensorboard_and_prometheus_sinks_show_evaluations(tmp_path)
         assert 'trainguard_eval{name="mmlu"} 0.4' in text and 'name="bad"' not in text
     finally:
         prometheus.close()
+
+
+def test_wandb_csv_and_jsonl_logs_give_their_evaluation_columns(tmp_path):
+    from trainguard.analysis.logs import read_log
+
+    steps, train, evals = curves(seed=7, steps=600)
+    at = dict(evals)
+    rows = ["_step,_runtime,train/loss,eval/loss,eval/accuracy,eval/runtime"]
+    lines = []
+    for step, loss in zip(steps.tolist(), train.tolist(), strict=True):
+        rows.append(f"{step},{step / 10},{loss!r},,,")
+        lines.append(json.dumps({"step": step, "loss": loss}))
+        if step in at:
+            rows.append(f"{step},{step / 10},,{at[step]!r},{1 - at[step] / 5!r},1.5")
+            lines.append(json.dumps({"step": step, "val/loss": at[step], "val/runtime": 2.0}))
+    (tmp_path / "history.csv").write_text("\n".join(rows) + "\n")
+    (tmp_path / "log.jsonl").write_text("\n".join(lines) + "\n")
+    wandb = read_log(tmp_path / "history.csv")
+    assert wandb.format == "wandb_csv" and set(wandb.evaluations) == {"eval/loss", "eval/accuracy"}
+    assert wandb.evaluations["eval/loss"][1].tolist() == [v for k, v in evals if k < 600]
+    generic = read_log(tmp_path / "log.jsonl")
+    assert list(generic.evaluations) == ["val/loss"] and not generic.warnings
+    assert generic.evaluations["val/loss"][0].tolist() == [k for k, _ in evals if k < 600]
+    assert len(generic.steps) == 600  # the evaluation rows are not training rows
