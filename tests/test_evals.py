@@ -473,3 +473,14 @@ def test_wandb_csv_and_jsonl_logs_give_their_evaluation_columns(tmp_path):
     assert list(generic.evaluations) == ["val/loss"] and not generic.warnings
     assert generic.evaluations["val/loss"][0].tolist() == [k for k, _ in evals if k < 600]
     assert len(generic.steps) == 600  # the evaluation rows are not training rows
+
+
+def test_a_trainer_state_with_an_accuracy_and_no_eval_loss_gives_it(tmp_path):
+    from trainguard.analysis.logs import read_log
+
+    history = [{"step": s, "loss": 2.0 - s / 100} for s in range(1, 40)]
+    history += [{"step": s, "eval_accuracy": 0.5 + s / 1000, "epoch": 1.0} for s in (10, 20, 30)]
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    data = read_log(tmp_path / "trainer_state.json")
+    assert list(data.evaluations) == ["eval_accuracy"] and not data.evals
+    assert data.evaluations["eval_accuracy"][0].tolist() == [10, 20, 30]

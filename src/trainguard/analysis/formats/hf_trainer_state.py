@@ -73,7 +73,7 @@ def _read(path: Path, options: ReadOptions) -> list[LogData]:
                 steps.append(step)
                 values.append(result)
     data = columns_of(path, rows, evals, "log_history entry")
-    if data.evals:  # evaluations beside a training loss (not standing in for it)
+    if rows["step"]:  # evaluations beside a training loss (not standing in for it)
         data.evaluations = {
             key: timeline_of(np.asarray(steps), np.asarray(values))
             for key, (steps, values) in named.items()
