@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -21,7 +22,7 @@ from trainguard.detectors.series import MetricSeries
 from trainguard.detectors.token_accuracy import TokenAccuracyDetector
 from trainguard.events import Event, TrainguardError
 from trainguard.monitor import Monitor
-from trainguard.sinks import Sink
+from trainguard.sinks import Sink, load_schema
 
 EVERY = 50  # steps between evaluations
 
@@ -174,6 +175,8 @@ def test_a_nan_evaluation_is_its_own_warning_once_until_a_finite_one(tmp_path):
     assert again == [] and len(after) == 1
     lines = [json.loads(x) for x in (tmp_path / "evals.jsonl").read_text().splitlines()]
     assert lines[0]["values"] == {"val_loss": "nan"}
+    for line in lines:
+        jsonschema.validate(line, load_schema("evals"))
     events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["kind"] == "eval_decline"] == [10, 40]
 

@@ -15,7 +15,7 @@ from trainguard.sinks.base import Sink
 
 
 def load_schema(name: str) -> dict[str, Any]:
-    """The JSON Schema of a run file: `events` or `metrics`."""
+    """The JSON Schema of a run file: `events`, `metrics` or `evals`."""
     text = resources.files("trainguard").joinpath("schemas", f"{name}.schema.json").read_text()
     schema: dict[str, Any] = json.loads(text)
     return schema
