@@ -650,7 +650,14 @@ def test_the_hf_callback_feeds_each_evaluation_as_trainer_state_keeps_it(tmp_pat
     assert logged[1].tolist() == pytest.approx([r["values"]["eval_loss"] for r in fed])
 
 
-def test_the_lightning_callback_feeds_each_validation_as_the_csv_logger_keeps_it(tmp_path):
+@pytest.mark.parametrize(
+    "cadence",
+    [
+        {"max_steps": 20, "val_check_interval": 5},  # within the epoch
+        {"max_epochs": 4, "limit_train_batches": 5},  # at each epoch's end
+    ],
+)
+def test_the_lightning_callback_feeds_each_validation_as_the_csv_logger_keeps_it(tmp_path, cadence):
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
 
@@ -677,8 +684,7 @@ def test_the_lightning_callback_feeds_each_validation_as_the_csv_logger_keeps_it
     loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)
     callback = TrainguardCallback(tg.GuardConfig(console=False))
     trainer = pl.Trainer(
-        max_steps=20,
-        val_check_interval=5,
+        **cadence,
         limit_val_batches=2,
         accelerator="cpu",
         logger=CSVLogger(str(tmp_path), name="csv", version=0),
