@@ -487,3 +487,29 @@ def test_a_trainer_state_with_an_accuracy_and_no_eval_loss_gives_it(tmp_path):
     data = read_log(tmp_path / "trainer_state.json")
     assert list(data.evaluations) == ["eval_accuracy"] and not data.evals
     assert data.evaluations["eval_accuracy"][0].tolist() == [10, 20, 30]
+
+
+def test_a_detectors_evaluation_event_is_a_warning_at_most_and_never_an_action():
+    from trainguard.detectors import Detector, register_detector, unregister_detector
+
+    class AtChance(Detector):
+        name = "test_at_chance"
+
+        def update(self, point: MetricPoint) -> list[Event]:
+            return []
+
+        def evaluate(self, point: EvalPoint) -> list[Event]:
+            if point.value > 0.3:
+                return []
+            return [Event(point.step, "eval_decline", "critical", "at chance", {})]
+
+    register_detector(AtChance)
+    try:
+        with Monitor(GuardConfig(console=False)) as monitor:
+            assert monitor.evaluate(5, {"mmlu": 0.5}) == []
+            (event,) = monitor.evaluate(10, {"mmlu": 0.25})
+            decision = monitor.observe(11, loss=2.0)
+    finally:
+        unregister_detector(AtChance)
+    assert (event.severity, event.action, event.step) == ("warning", None, 10)
+    assert decision.action == "step" and decision.events == []
