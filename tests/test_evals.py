@@ -163,6 +163,12 @@ def test_bad_evaluations_are_one_line_errors(tmp_path):
     (line, second) = [json.loads(x) for x in (tmp_path / "evals.jsonl").read_text().splitlines()]
     assert line["step"] == 20 and line["values"] == {"mmlu": 0.4, "val_loss": 2.0, "bpb": 1.0}
     assert second["values"] == {"hellaswag": 0.3}
+    # the last evaluation's step carries over a checkpoint: a resumed run refuses going back
+    state = json.loads(json.dumps(monitor.state_dict()))
+    with Monitor(GuardConfig(console=False), run_dir=tmp_path / "resumed") as resumed:
+        resumed.load_state_dict(state)
+        with pytest.raises(TrainguardError, match="must not go back"):
+            resumed.evaluate(10, {"mmlu": 0.4})
 
 
 def test_a_nan_evaluation_is_its_own_warning_once_until_a_finite_one(tmp_path):

@@ -548,6 +548,7 @@ class Guard(Monitor):
             "global_step": self.global_step,
             "detectors": self.detectors.state_dict(),
             "policy": self.policy.state_dict(),
+            "last_evaluation": self._last_evaluation,
             "actions": actions.state_dict() if actions is not None else None,
             **self.recovery.state_dict(),  # the last incident and the data positions
             **self.recorder.state_dict(),

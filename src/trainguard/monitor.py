@@ -207,6 +207,7 @@ class Monitor:
             "global_step": self.global_step,
             "detectors": self.detectors.state_dict(),
             "policy": self.policy.state_dict(),
+            "last_evaluation": self._last_evaluation,
             **self.recorder.state_dict(),
         }
 
@@ -215,6 +216,8 @@ class Monitor:
         self.detectors.load_state_dict(state["detectors"])
         self.policy.load_state_dict(state["policy"])
         self.recorder.load_state_dict(state)
+        last = state.get("last_evaluation")  # absent from checkpoints of older versions
+        self._last_evaluation = int(last) if last is not None else None
 
     def close(self) -> None:
         """Record a `run_closed` event, flush and close every sink and release the run folder;
