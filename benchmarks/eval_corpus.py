@@ -9,12 +9,12 @@ its reason (read by eye, before any detector ran on the files). A file's half is
 
 Scoring: each file is read with `read_log` and judged with `analyze` (default config), as
 `trainguard analyze` does; every `eval_decline` event is a firing at its step. A labelled decline
-span is caught when a firing falls in it or up to SLACK_EVALS evaluations after its end; its lag
-runs from the span's first step to the first such firing (in steps, and in evaluations of the
-file). A firing outside every decline span (and its slack) counts as borderline when it falls in
-a borderline span, as "in divergence" when it falls in an `eval_up_with_train` span (the training
-loss rose too: a false `eval_decline`), and as a false warning otherwise. The tune half is the
-one to tune on; the held-out half is the one reported.
+span is caught when a firing (of whichever evaluation) falls in it or up to SLACK_EVALS
+evaluations after its end; its lag runs from the span's first step to the first such firing (in
+steps, and in evaluations of the file). A firing outside every decline span (and its slack)
+counts as borderline when it falls in a borderline span, as "in divergence" when it falls in an
+`eval_up_with_train` span (the training loss rose too: a false `eval_decline`), and as a false
+warning otherwise. The tune half is the one to tune on; the held-out half is the one reported.
 
 Run: python benchmarks/eval_corpus.py [--corpus DIR] [--no-write] [--draft]
 (`--draft` prints where labels.json differs from the rule's draft and exits).
@@ -394,7 +394,7 @@ def render(scores: list[FileScore]) -> str:
         "| file | half | label | firings (step: evaluation) | outcome |",
         "|---|---|---|---|---|",
     ]
-    for s in scores:
+    for s in sorted(scores, key=lambda s: (HALVES.index(s.half), s.name)):
         label = "healthy" if s.healthy else f"decline x{len(s.caught)}" if s.caught else "other"
         fired = ", ".join(f"{st}: {n}" for st, n in s.firings[:6]) + (
             f" (+{len(s.firings) - 6})" if len(s.firings) > 6 else ""
