@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/deepspeed_zero.py
 	$(BIN)/python benchmarks/alerts.py
 	$(BIN)/python benchmarks/detection.py
+	$(BIN)/python benchmarks/eval_decline.py
 	$(BIN)/python benchmarks/faults.py
 	$(BIN)/python benchmarks/trust.py
 

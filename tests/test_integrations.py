@@ -611,3 +611,94 @@ def test_the_lightning_callback_traces_a_nan_to_the_module_that_made_it(tmp_path
     assert origin["step"] == 30 and origin["severity"] == "critical"
     assert "transformer.h.1.mlp" in origin["message"]
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_the_hf_callback_feeds_each_evaluation_as_trainer_state_keeps_it(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from trainguard.analysis.logs import read_log
+    from trainguard.integrations.hf import TrainguardCallback
+
+    callback = TrainguardCallback(tg.GuardConfig(console=False))
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=20,
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=8,
+        eval_strategy="steps",
+        eval_steps=5,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=tiny_gpt2(),
+        args=args,
+        train_dataset=samples(160),
+        eval_dataset=samples(16),
+        callbacks=[callback],
+    )
+    trainer.train()
+    fed = events(tmp_path / "trainguard" / "evals.jsonl")
+    assert [r["step"] for r in fed] == [5, 10, 15, 20]
+    assert all(set(r["values"]) == {"eval_loss"} for r in fed)  # not runtime, throughput
+    trainer.state.save_to_json(str(tmp_path / "trainer_state.json"))
+    logged = read_log(tmp_path / "trainer_state.json").evaluations["eval_loss"]
+    assert logged[0].tolist() == [5, 10, 15, 20]
+    assert logged[1].tolist() == pytest.approx([r["values"]["eval_loss"] for r in fed])
+
+
+@pytest.mark.parametrize(
+    "cadence",
+    [
+        {"max_steps": 20, "val_check_interval": 5},  # within the epoch
+        {"max_epochs": 4, "limit_train_batches": 5},  # at each epoch's end
+    ],
+)
+def test_the_lightning_callback_feeds_each_validation_as_the_csv_logger_keeps_it(tmp_path, cadence):
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from trainguard.analysis.logs import read_log
+    from trainguard.integrations.lightning import TrainguardCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_gpt2()
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(input_ids=batch, labels=batch).loss
+            self.log("train_loss", loss)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.model(input_ids=batch, labels=batch).loss)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    data = torch.stack([s["input_ids"] for s in samples(160)])
+    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)
+    callback = TrainguardCallback(tg.GuardConfig(console=False))
+    trainer = pl.Trainer(
+        **cadence,
+        limit_val_batches=2,
+        accelerator="cpu",
+        logger=CSVLogger(str(tmp_path), name="csv", version=0),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[callback],
+    )
+    trainer.fit(Module(), loader, loader)
+    fed = events(tmp_path / "trainguard" / "evals.jsonl")
+    assert len(fed) == 4  # every 5 steps; not the sanity check before training
+    assert all(set(r["values"]) == {"val_loss"} for r in fed)
+    logged = read_log(tmp_path / "csv" / "version_0" / "metrics.csv").evaluations["val_loss"]
+    assert logged[0].tolist() == [r["step"] for r in fed]
+    assert logged[1].tolist() == pytest.approx([r["values"]["val_loss"] for r in fed], rel=1e-6)

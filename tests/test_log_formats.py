@@ -28,7 +28,7 @@ EXPECTED = [
         "hf_trainer_state",
         186,
         (15, 2.0762),
-        {"grad_norm", "lr"},
+        {"grad_norm", "lr", "token_accuracy"},  # TRL's mean_token_accuracy
         14,
     ),
     (

@@ -401,7 +401,7 @@ def test_a_native_log_report_draws_its_evaluations_and_says_what_it_cannot_show(
     assert out.returncode == 0, out.stderr
     page = Page(browser, tmp_path / "r.html")
     figure = page.figure()
-    (evals,) = [t for t in figure["data"] if t.get("name") == "eval loss"]
+    (evals,) = [t for t in figure["data"] if t.get("name") == "val loss"]  # its own panel
     assert len(evals["x"]) == 3
     assert not [a for a in figure["layout"].get("annotations", []) if "clip" in a["text"]]
     text = page.page.locator("body").inner_text()

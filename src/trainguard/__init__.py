@@ -11,7 +11,13 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from trainguard.config import GuardConfig
-from trainguard.detectors import Detector, DetectorSuite, MetricPoint, register_detector
+from trainguard.detectors import (
+    Detector,
+    DetectorSuite,
+    EvalPoint,
+    MetricPoint,
+    register_detector,
+)
 from trainguard.events import (
     ConfigError,
     Decision,
@@ -59,6 +65,7 @@ __all__ = [
     "Decision",
     "Detector",
     "DetectorSuite",
+    "EvalPoint",
     "Event",
     "EventKind",
     "Finding",

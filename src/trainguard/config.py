@@ -213,6 +213,43 @@ class OscillationConfig(_Section):
     )
 
 
+class EvalDeclineConfig(_Section):
+    """An evaluation that worsens over its recent best while the training loss still falls
+    (forgetting): both of its last two values against the best mean of two consecutive values
+    before them over the last `window`, worse by `noise_sigmas` times its own noise and by
+    `min_rel_decline`."""
+
+    enabled: bool = Field(True, description="Watch evaluations (`guard.evaluate`) for a decline.")
+    window: int = Field(
+        16, ge=6, description="Latest evaluations of a name the best is taken over."
+    )
+    min_evals: int = Field(
+        6, ge=4, description="Evaluations of a name before its decline is judged."
+    )
+    noise_sigmas: float = Field(
+        5.0, gt=0, description="Decline over the best, in the evaluation's own noise."
+    )
+    min_rel_decline: float = Field(
+        0.01, ge=0, description="Least decline over the best, relative to the best."
+    )
+    train_window: int = Field(
+        256, ge=1, description="Latest training losses whose median is the train loss level."
+    )
+
+
+class TokenAccuracyConfig(_Section):
+    """Token accuracy (`MetricPoint.token_accuracy`) below a healthy range learned from the run:
+    under the median less `mad_sigmas` robust deviations of its last `window` values."""
+
+    enabled: bool = Field(True, description="Watch token accuracy, where it is measured.")
+    window: int = Field(64, ge=8, description="Latest healthy values the range is learned from.")
+    warmup: int = Field(16, ge=4, description="Values seen before the range is judged.")
+    mad_sigmas: float = Field(6.0, gt=0, description="Robust deviations under the median.")
+    min_drop: float = Field(
+        0.02, ge=0, description="Least drop under the median that is out of range (absolute)."
+    )
+
+
 class OverflowConfig(_Section):
     """fp16 loss-scale overflow: normal while the scaler calibrates, an incident if it persists."""
 
@@ -661,6 +698,8 @@ class GuardConfig(_Section):
     stall: StallConfig = Field(default_factory=StallConfig)
     divergence: DivergenceConfig = Field(default_factory=DivergenceConfig)
     oscillation: OscillationConfig = Field(default_factory=OscillationConfig)
+    eval_decline: EvalDeclineConfig = Field(default_factory=EvalDeclineConfig)
+    token_accuracy: TokenAccuracyConfig = Field(default_factory=TokenAccuracyConfig)
     overflow: OverflowConfig = Field(default_factory=OverflowConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     ranks: RanksConfig = Field(default_factory=RanksConfig)

@@ -4,7 +4,9 @@ sinks; its decisions are advice."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+import math
+import numbers
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +14,17 @@ import torch
 
 from trainguard.config import GuardConfig
 from trainguard.detectors import DetectorSuite, MetricPoint
+from trainguard.detectors.base import EvalPoint
 from trainguard.distributed import RankContext
 from trainguard.enrichment import EventEnricher
-from trainguard.events import Decision, Event, EventKind, TrainingHalted, check_kind
+from trainguard.events import (
+    Decision,
+    Event,
+    EventKind,
+    TrainguardError,
+    TrainingHalted,
+    check_kind,
+)
 from trainguard.policy import StepPolicy
 from trainguard.recorder import Recorder
 from trainguard.signals.gradients import StepSignals
@@ -48,6 +58,7 @@ class Monitor:
         self.ranks = RankContext.detect(device if device is not None else torch.device("cpu"))
         self.enricher = EventEnricher(self.ranks)
         self.global_step = 0
+        self._last_evaluation: int | None = None  # the step of the last `evaluate`
         self._closed = False
         self._open_files()
         try:
@@ -84,6 +95,32 @@ class Monitor:
         if decision.action == "halt":
             decision = self._halt(decision, raise_error=False)
         return decision
+
+    def evaluate(self, step: int, values: Mapping[str, Any]) -> list[Event]:
+        """Feed evaluations of the model made after the training steps up to `step`, as
+        `{"val_loss": 2.1, "mmlu": 0.41}` (a loss, perplexity or error is lower-is-better,
+        anything else higher-is-better): the detectors judge each (`eval_decline`: forgetting),
+        they go to `evals.jsonl` and the sinks, and the events found are returned: warnings at
+        most, as an evaluation never skips, rolls back or halts."""
+        step = _evaluation_step(step)
+        named = _evaluation_values(step, values)
+        restored = self.policy.restored_to  # a rollback replays steps: evaluations with them
+        if (
+            self._last_evaluation is not None
+            and step < self._last_evaluation
+            and not (restored is not None and step >= restored)
+        ):
+            raise TrainguardError(
+                f"evaluation at step {step} after one at step {self._last_evaluation}: "
+                "evaluation steps must not go back; pass the training step each was made at"
+            )
+        self._last_evaluation = step
+        events: list[Event] = []
+        for name, value in named.items():
+            point = EvalPoint.of(step, name, value)
+            events += self.policy.on_evaluation(point, self.detectors.evaluate(point))
+        self.recorder.record_evaluation(step, named)
+        return self._publish(events)
 
     def _decide(
         self,
@@ -217,3 +254,69 @@ class Monitor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+EXAMPLE = "{'val_loss': 2.1, 'mmlu': 0.41}"
+
+
+def _evaluation_step(step: object) -> int:
+    """An evaluation's step: a whole number, not negative; a one-line error otherwise."""
+    if isinstance(step, float) and step.is_integer():
+        step = int(step)
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+        whole = int(step)
+    else:
+        raise TrainguardError(
+            f"guard.evaluate: step {step!r} is not a whole number; pass the training step the "
+            "evaluation was made at, such as guard.global_step"
+        )
+    if whole < 0:
+        raise TrainguardError(f"guard.evaluate: step {whole} is negative; steps count from 0")
+    return whole
+
+
+def _evaluation_values(step: int, values: object) -> dict[str, float]:
+    """The evaluations of one `evaluate` call as floats by name; a one-line error for anything
+    that is not a non-empty mapping of names to numbers."""
+    if not isinstance(values, Mapping):
+        raise TrainguardError(
+            f"guard.evaluate at step {step}: takes a mapping of evaluation name to number, "
+            f"such as {EXAMPLE}, not a {type(values).__name__}"
+        )
+    if not values:
+        raise TrainguardError(
+            f"guard.evaluate at step {step}: no evaluations given; pass at least one, such "
+            f"as {EXAMPLE}"
+        )
+    named: dict[str, float] = {}
+    for name, value in values.items():
+        if not isinstance(name, str) or not name.strip():
+            raise TrainguardError(
+                f"guard.evaluate at step {step}: evaluation name {name!r} is not a non-empty "
+                f"string; name each evaluation, such as {EXAMPLE}"
+            )
+        number = _evaluation_number(value)
+        if number is None:
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            raise TrainguardError(
+                f"guard.evaluate at step {step}: evaluation {name!r} is {shown} "
+                f"({type(value).__name__}), not a number; pass a float, such as {EXAMPLE}"
+            )
+        named[name] = number
+    return named
+
+
+def _evaluation_number(value: object) -> float | None:
+    """A number, a one-element tensor or array as a float; None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            return None
+        return float(value.detach().reshape(()).item())
+    if isinstance(value, numbers.Real):
+        try:
+            return float(value)
+        except OverflowError:  # an integer past 1e308
+            return math.inf if str(value)[0] != "-" else -math.inf
+    return None

@@ -3,6 +3,7 @@ and every other sink; counts what was recorded, and times each step."""
 
 from __future__ import annotations
 
+import datetime as _dt
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -15,7 +16,7 @@ from trainguard.events import Action, Event, _json_number
 from trainguard.line_file import write_small_file
 from trainguard.run_lock import RunLock
 from trainguard.signals.gradients import StepSignals
-from trainguard.sinks import ConsoleSink, EventLog, MetricsLog, Sink
+from trainguard.sinks import ConsoleSink, EvalLog, EventLog, MetricsLog, Sink
 from trainguard.sinks.factory import sinks_from_config
 
 
@@ -44,6 +45,7 @@ class Recorder:
                 self.sinks += [
                     EventLog(run_dir / "events.jsonl", report),
                     MetricsLog(run_dir / "metrics.jsonl", report),
+                    EvalLog(run_dir / "evals.jsonl", report),
                 ]
                 write_small_file(run_dir / "config.json", config.to_json() + "\n", report)
             if config.console and leader:
@@ -135,6 +137,22 @@ class Recorder:
                 except Exception as exc:
                     self._drop(sink, exc)
         return record
+
+    def record_evaluation(self, step: int, values: dict[str, float]) -> dict[str, Any]:
+        """An evaluation's record (`evals.jsonl`), handed to every sink."""
+        record = _json_number(
+            {
+                "step": step,
+                "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds"),
+                "values": dict(values),
+            }
+        )
+        for sink in list(self.sinks):
+            try:
+                sink.on_evaluation(record)
+            except Exception as exc:
+                self._drop(sink, exc)
+        return dict(record)
 
     def state_dict(self) -> dict[str, Any]:
         """The counts of actions and event kinds recorded so far."""

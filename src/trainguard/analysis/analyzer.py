@@ -311,6 +311,8 @@ def _first_of_each_nan_stretch(
             lr=cut(series.lr),
             loss_scale=cut(series.loss_scale),
             overflow=cut(series.overflow),
+            token_accuracy=cut(series.token_accuracy),
+            evals=series.evals,
         ),
         lengths,
     )

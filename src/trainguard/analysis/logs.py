@@ -21,13 +21,14 @@ from typing import IO, TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from trainguard.detectors.base import EvalPoint
 from trainguard.detectors.series import MetricSeries
 from trainguard.events import TrainguardError
 
 if TYPE_CHECKING:
     from trainguard.analysis.formats import LogFormat, ReadOptions
 
-OPTIONAL = ("grad_norm", "lr", "loss_scale")
+OPTIONAL = ("grad_norm", "lr", "loss_scale", "token_accuracy")
 MAX_WARNED_ROWS = 10
 USE_PANDAS = True  # parse clean blocks with pandas when it is installed
 BLOCK_BYTES = 1 << 24  # bytes parsed at once; a block with a bad row is parsed row by row
@@ -41,11 +42,24 @@ GZIP_MAGIC = b"\x1f\x8b"  # the first bytes of a gzip file, whatever its name
 LOG_SUFFIXES = (".log", ".txt", ".out", ".err", ".csv", ".tsv", ".jsonl", ".json")  # and .gz
 MAX_FOLDER_FILES = 100  # the files of a folder looked into for its one log
 MIN_FOLDER_SCORE = 2  # how sure a format must be that a file of a folder is a log
+TOKEN_ACCURACY_NAMES = (
+    "token_accuracy",
+    "train/token_accuracy",
+    "train_token_accuracy",
+    "mean_token_accuracy",
+    "train/mean_token_accuracy",
+)
+# the columns of a log that hold an evaluation: named with one of these prefixes, and not one of
+# the timing figures an evaluation logs beside its results
+EVAL_PREFIXES = ("eval_", "eval/", "val_", "val/", "valid_", "valid/", "validation_", "validation/")
+EVAL_NOT = ("time", "per_second", "samples", "num_tokens", "epoch")  # runtime, throughput
+MAX_EVALUATIONS = 16  # evaluations read from one log
 TB_TAGS = {  # TensorBoard tags tried in order when none is named
     "loss": ("loss", "train/loss", "train_loss", "training/loss", "loss/train"),
     "grad_norm": ("grad_norm", "train/grad_norm", "gradient_norm", "train/gradient_norm"),
     "lr": ("lr", "learning_rate", "train/learning_rate", "train/lr", "lr-AdamW", "lr-Adam"),
     "loss_scale": ("loss_scale", "train/loss_scale"),
+    "token_accuracy": TOKEN_ACCURACY_NAMES,
 }
 
 
@@ -63,17 +77,36 @@ class LogData:
     abandoned: dict[str, np.ndarray] = field(default_factory=dict)  # "step", "loss"
     recorded: list[dict[str, Any]] | None = None  # None: no events.jsonl beside the log
     evals: dict[str, np.ndarray] = field(default_factory=dict)  # "step", "loss": evaluations
+    # every evaluation by name: (steps, values), in step order
+    evaluations: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     format: str = ""  # the format it was read as
     run: str | None = None  # the run's name, in a file that holds several
 
+    def named_evaluations(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Every evaluation by name: `evaluations`, else the evaluation loss of `evals` (the
+        text formats' validation loss) as `val_loss`."""
+        if self.evaluations:
+            return self.evaluations
+        if len(self.evals.get("step", ())):
+            return {"val_loss": (self.evals["step"], self.evals["loss"])}
+        return {}
+
     def series(self) -> MetricSeries:
-        """The columns as the detectors read them (NaN marks a missing value)."""
+        """The columns as the detectors read them (NaN marks a missing value), with the
+        evaluations in step order."""
+        points = [
+            EvalPoint.of(int(step), name, float(value))
+            for name, (steps, values) in self.named_evaluations().items()
+            for step, value in zip(steps.tolist(), values.tolist(), strict=True)
+        ]
         return MetricSeries(
             self.steps,
             self.loss,
             grad_norm=self.extra.get("grad_norm"),
             lr=self.extra.get("lr"),
             loss_scale=self.extra.get("loss_scale"),
+            token_accuracy=self.extra.get("token_accuracy"),
+            evals=sorted(points, key=lambda e: e.step),
         )
 
 
@@ -277,6 +310,10 @@ def read_runs(
             from trainguard.analysis.run import recorded_events
 
             runs[0].recorded = recorded_events(p.parent / "events.jsonl", runs[0].warnings)
+        if p.name == "metrics.jsonl" and (p.parent / "evals.jsonl").is_file():
+            from trainguard.analysis.run import recorded_evaluations
+
+            runs[0].evaluations = recorded_evaluations(p.parent / "evals.jsonl", runs[0].warnings)
         return _chosen_run(p, runs, run)
     except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
         raise _damaged_gzip(p, exc) from None
@@ -489,6 +526,33 @@ def with_evals(p: Path, data: LogData, step: str, evaluated: str | None) -> LogD
     return data
 
 
+def is_evaluation(name: str) -> bool:
+    """Whether a log's column (or a Trainer's metric) holds an evaluation's result: `eval_*`,
+    `val_*`, `eval/*`, `val/*` and the like, but not its runtime or throughput."""
+    low = name.lower()
+    return low.startswith(EVAL_PREFIXES) and not low.endswith(EVAL_NOT)
+
+
+def evaluation_columns(columns: Sequence[str], exclude: Sequence[str | None] = ()) -> list[str]:
+    """The columns that hold evaluations (`is_evaluation`), `MAX_EVALUATIONS` at most, less
+    those in `exclude` (the training loss's)."""
+    return [c for c in columns if is_evaluation(c) and c not in exclude][:MAX_EVALUATIONS]
+
+
+def with_evaluations(
+    p: Path, data: LogData, step: str, columns: Sequence[str], delimiter: str = ","
+) -> LogData:
+    """`data` with each evaluation column of a delimited log read apart (rows of other kinds
+    leave its cells empty): `data.evaluations`; a column without a value is left out."""
+    for column in columns:
+        try:
+            read = delimited(p, delimiter, {"step": step, "loss": column}, other_rows=True)
+        except TrainguardError:  # no value in any row
+            continue
+        data.evaluations[column] = (read.steps, read.loss)
+    return data
+
+
 def number(text: object) -> float | None:
     """A cell or JSON value as a float; None when it holds no number."""
     if text is None or text == "":
@@ -641,7 +705,8 @@ def jsonl(
     options: ReadOptions,
     names_for: Callable[[set[str], ReadOptions], dict[str, str]],
 ) -> LogData:
-    """A JSONL log: the keys to read are chosen (`names_for`) from those of its first objects."""
+    """A JSONL log: the keys to read are chosen (`names_for`) from those of its first objects,
+    with its evaluations (`evaluation_columns`), on rows of their own or not."""
     seen: set[str] = set()
     with open_text(p) as f:
         for _, line in zip(range(PRESCAN_LINES), f, strict=False):
@@ -649,6 +714,10 @@ def jsonl(
             if record is not None:
                 seen.update(record)
     names = names_for(seen, options)
+    evaluated = evaluation_columns(sorted(seen), exclude=list(names.values()))
+    found: dict[str, tuple[array[float], array[float]]] = {
+        name: (array("d"), array("d")) for name in evaluated
+    }
     out = _Columns()
     cols: dict[str, array[float]] = {k: array("d") for k in names}
     lineno, line = 0, ""
@@ -663,7 +732,8 @@ def jsonl(
             if len(seen) < 64:
                 seen.update(record)
             cells = {key: record.get(name) for key, name in names.items()}
-            if not _keep(cells, cols):
+            evaluation = _keep_evaluations(record, names["step"], found)
+            if not _keep(cells, cols) and not evaluation:
                 out.skip(lineno)
     if line and not line.endswith("\n"):
         out.unfinished = lineno
@@ -671,7 +741,38 @@ def jsonl(
         if names[key] not in seen:
             raise _missing(p, names[key], seen)
     out.add({k: np.frombuffer(v, dtype=np.float64) for k, v in cols.items() if len(v)})
-    return out.finish(p)
+    data = out.finish(p)
+    for name, (steps, values) in found.items():
+        if len(steps):
+            data.evaluations[name] = timeline_of(np.frombuffer(steps), np.frombuffer(values))
+    return data
+
+
+def _keep_evaluations(
+    record: dict[str, Any], step_key: str, found: dict[str, tuple[array[float], array[float]]]
+) -> bool:
+    """Keep a JSON record's evaluations (`found`: name -> steps, values); whether it had any."""
+    if not found:
+        return False
+    step = number(record.get(step_key))
+    if step is None or not abs(step) < MAX_STEP:
+        return False
+    kept = False
+    for name, (steps, values) in found.items():
+        value = number(record.get(name))
+        if value is not None:
+            steps.append(step)
+            values.append(value)
+            kept = True
+    return kept
+
+
+def timeline_of(steps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An evaluation's steps (as integers) and values on its final timeline: in step order, the
+    last value of a step repeated (a rollback's replay, a restart)."""
+    order = np.asarray(steps, dtype=np.int64)
+    keep, _ = final_timeline(order)
+    return order[keep], np.asarray(values, dtype=np.float64)[keep]
 
 
 def _tensorboard(p: Path, tag: str | None) -> LogData:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from trainguard.analysis.logs import final_timeline, json_object
+from trainguard.analysis.logs import final_timeline, json_object, timeline_of
 from trainguard.config import GuardConfig
 from trainguard.events import TrainguardError
 
@@ -79,9 +79,7 @@ def load_run(
     data = read_log(p, loss_column, step_column, tag, log_format, run)
     result = analyze(data, cfg)
     columns = {"loss": data.loss, **data.extra}
-    evals = {}
-    if len(data.evals.get("step", ())):
-        evals["eval loss"] = (data.evals["step"], data.evals["loss"])
+    evals = data.named_evaluations()
     return RunRecord(
         source=p,
         steps=data.steps,
@@ -169,6 +167,32 @@ def recorded_events(path: Path, warnings: list[str]) -> list[dict[str, Any]]:
     return events
 
 
+def recorded_evaluations(
+    path: Path, warnings: list[str]
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The evaluations of a guard's evals.jsonl by name: (steps, values) on the final timeline
+    (a step evaluated again after a rollback keeps its last value); lines that are not
+    evaluations (an integer step, an object of values) are passed over with a warning."""
+    lines = _read_lines(path, warnings)
+    found: dict[str, tuple[list[int], list[float]]] = {}
+    bad = 0
+    for line in lines:
+        values = line.get("values")
+        if not is_step(line.get("step")) or not isinstance(values, dict):
+            bad += 1
+            continue
+        for name, value in values.items():
+            steps, kept = found.setdefault(str(name), ([], []))
+            steps.append(int(line["step"]))
+            kept.append(_number(value))
+    if bad:
+        warnings.append(f"passed over {bad} line(s) of {path.name} that are not evaluations")
+    return {
+        name: timeline_of(np.asarray(steps, dtype=np.int64), np.asarray(values))
+        for name, (steps, values) in found.items()
+    }
+
+
 def _run_dir(p: Path) -> RunRecord:
     warnings: list[str] = []
     lines = _read_lines(p / "metrics.jsonl", warnings)
@@ -211,6 +235,9 @@ def _run_dir(p: Path) -> RunRecord:
     events: list[dict[str, Any]] = []
     if (p / "events.jsonl").is_file():
         events = recorded_events(p / "events.jsonl", warnings)
+    evals: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    if (p / "evals.jsonl").is_file():
+        evals = recorded_evaluations(p / "evals.jsonl", warnings)
     config: dict[str, Any] = {}
     if (p / "config.json").is_file():
         text = (p / "config.json").read_text(encoding="utf-8", errors="replace")
@@ -232,4 +259,5 @@ def _run_dir(p: Path) -> RunRecord:
         config=config,
         warnings=warnings,
         action_counts=dict(Counter(str(r.get("action", "step")) for r in records)),
+        evals=evals,
     )

@@ -1,6 +1,6 @@
 """Detectors: pure, streaming functions of a metric stream that raise events."""
 
-from trainguard.detectors.base import Detector, MetricPoint
+from trainguard.detectors.base import Detector, EvalPoint, MetricPoint
 from trainguard.detectors.gradients import (
     GradExplosionDetector,
     GradSpikeDetector,
@@ -17,6 +17,7 @@ __all__ = [
     "Detector",
     "DetectorSuite",
     "DivergenceDetector",
+    "EvalPoint",
     "GradExplosionDetector",
     "GradSpikeDetector",
     "HealthThresholdDetector",

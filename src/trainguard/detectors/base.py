@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -105,6 +106,36 @@ class MetricPoint:
         )
 
 
+LOWER_IS_BETTER = frozenset(
+    ("loss", "losses", "perplexity", "ppl", "error", "err", "wer", "cer", "nll", "bpb", "bpc")
+)
+
+
+def higher_is_better(name: str) -> bool:
+    """Whether a larger value of the evaluation called `name` is better: a loss, perplexity,
+    error rate, NLL or bits per byte is lower-is-better (a word of the name says so, as in
+    `val_loss`, `eval/perplexity`), anything else (accuracy, MMLU, BLEU, ROUGE, F1, exact match,
+    a benchmark's score) higher-is-better."""
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w]
+    return not any(w in LOWER_IS_BETTER or w.startswith(("loss", "perplexity")) for w in words)
+
+
+@dataclass
+class EvalPoint:
+    """One evaluation of the model: its name (`val_loss`, `mmlu`), its value at `step`, and
+    which way is better (inferred from the name by `higher_is_better`)."""
+
+    step: int
+    name: str
+    value: float
+    higher_is_better: bool
+
+    @classmethod
+    def of(cls, step: int, name: str, value: float) -> EvalPoint:
+        """An evaluation whose direction is inferred from its name."""
+        return cls(step, name, value, higher_is_better(name))
+
+
 class Detector:
     """A detector reads one `MetricPoint` at a time and returns the events it raises there.
 
@@ -117,6 +148,11 @@ class Detector:
 
     def update(self, point: MetricPoint) -> list[Event]:
         raise NotImplementedError
+
+    def evaluate(self, point: EvalPoint) -> list[Event]:
+        """The events an evaluation of the model raises (`guard.evaluate`); called between the
+        training steps, after every step up to the evaluation's own. The default raises none."""
+        return []
 
     def advance(self, series: MetricSeries, start: int) -> int:
         """Take the steps of `series` from `start` in bulk while they raise nothing, leaving the

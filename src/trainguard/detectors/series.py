@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from trainguard.detectors.base import MetricPoint
+from trainguard.detectors.base import EvalPoint, MetricPoint
 
 MIN_SPAN, MAX_SPAN = 1 << 10, 1 << 16  # steps one `advance` call looks ahead (see `span`)
 
@@ -29,6 +29,9 @@ class MetricSeries:
     nonfinite_grads: np.ndarray | None = None
     group_grad_norms: list[dict[str, float] | None] | None = None
     group_param_norms: list[dict[str, float] | None] | None = None
+    token_accuracy: np.ndarray | None = None  # NaN where the step has none
+    # the run's evaluations in step order; each is fed after the steps up to its own
+    evals: list[EvalPoint] = field(default_factory=list)
     span: int = MIN_SPAN  # look-ahead of `advance`: grows over quiet stretches, shrinks at events
 
     def __len__(self) -> int:
@@ -45,6 +48,29 @@ class MetricSeries:
             nonfinite_grads=int(self.nonfinite_grads[i]) if self.nonfinite_grads is not None else 0,
             group_grad_norms=self.group_grad_norms[i] if self.group_grad_norms else None,
             group_param_norms=self.group_param_norms[i] if self.group_param_norms else None,
+            token_accuracy=_present(self.token_accuracy, i),
+        )
+
+    def part(self, start: int, end: int) -> MetricSeries:
+        """The steps from `start` to `end` as a series of their own (views of the columns),
+        without the evaluations."""
+
+        def cut(column: np.ndarray | None) -> np.ndarray | None:
+            return None if column is None else column[start:end]
+
+        return MetricSeries(
+            self.steps[start:end],
+            self.loss[start:end],
+            grad_norm=cut(self.grad_norm),
+            lr=cut(self.lr),
+            loss_scale=cut(self.loss_scale),
+            overflow=cut(self.overflow),
+            nonfinite_grads=cut(self.nonfinite_grads),
+            group_grad_norms=self.group_grad_norms[start:end] if self.group_grad_norms else None,
+            group_param_norms=(
+                self.group_param_norms[start:end] if self.group_param_norms else None
+            ),
+            token_accuracy=cut(self.token_accuracy),
         )
 
     @property

@@ -3,11 +3,15 @@ is an open registry (`register_detector`)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import numpy as np
+
 from trainguard.config import GuardConfig
-from trainguard.detectors.base import Detector, MetricPoint
+from trainguard.detectors.base import Detector, EvalPoint, MetricPoint
+from trainguard.detectors.evals import EvalDeclineDetector
 from trainguard.detectors.gradients import (
     GradExplosionDetector,
     GradSpikeDetector,
@@ -21,6 +25,7 @@ from trainguard.detectors.ranks import RankOutlierDetector, StragglerDetector
 from trainguard.detectors.replicas import ReplicaDivergenceDetector
 from trainguard.detectors.routing import RoutingCollapseDetector
 from trainguard.detectors.series import MAX_SPAN, MIN_SPAN, MetricSeries
+from trainguard.detectors.token_accuracy import TokenAccuracyDetector
 from trainguard.detectors.trends import DivergenceDetector, OscillationDetector, StallDetector
 from trainguard.detectors.weights import WeightJumpDetector
 from trainguard.events import Event, TrainguardError
@@ -85,6 +90,8 @@ _enabled(lambda c: StragglerDetector(c.straggler), lambda c: c.straggler.enabled
 _enabled(lambda c: ReplicaDivergenceDetector(), lambda c: c.replicas.every > 0)
 _enabled(lambda c: RoutingCollapseDetector(c.routing), lambda c: c.routing.enabled)
 _enabled(lambda c: LossEmaDetector(c.alerts), lambda c: loss_ema_routed(c.alerts))
+_enabled(lambda c: EvalDeclineDetector(c.eval_decline), lambda c: c.eval_decline.enabled)
+_enabled(lambda c: TokenAccuracyDetector(c.token_accuracy), lambda c: c.token_accuracy.enabled)
 
 
 class DetectorSuite:
@@ -102,24 +109,55 @@ class DetectorSuite:
             events.extend(detector.update(point))
         return events
 
+    def evaluate(self, point: EvalPoint) -> list[Event]:
+        """The events every detector raises on an evaluation of the model, in their order."""
+        events: list[Event] = []
+        for detector in self.detectors:
+            events.extend(detector.evaluate(point))
+        return events
+
     def run(self, series: MetricSeries) -> list[Event]:
-        """Every event the detectors raise over a whole series, as `update` step by step would
-        raise them and in the same order, with the quiet stretches taken in bulk."""
-        found: list[tuple[int, int, Event]] = []
-        n = len(series)
+        """Every event the detectors raise over a whole series, as `update` step by step (and
+        `evaluate` at each of `series.evals`, after the steps up to its own) would raise them
+        and in the same order, with the quiet stretches taken in bulk."""
+        evals = sorted(series.evals, key=lambda e: e.step)  # stable: same-step order kept
+        # where each evaluation comes: before the first training step past its own
+        at = np.searchsorted(series.steps, [e.step for e in evals], side="right").tolist()
+        cuts = sorted(set(at) | {0, len(series)})
+        parts = (
+            [(0, series)]
+            if len(cuts) == 2
+            else [(a, series.part(a, b)) for a, b in itertools.pairwise(cuts)]
+        )
+        found: list[tuple[int, int, int, int, Event]] = []
         for order, detector in enumerate(self.detectors):
-            i, series.span = 0, MIN_SPAN
-            while i < n:
-                start, i = i, detector.advance(series, i)
-                quiet = i >= series.chunk_end(start)
-                series.span = (
-                    min(2 * series.span, MAX_SPAN) if quiet else max(2 * (i - start), MIN_SPAN)
-                )
-                if i < n:
-                    found.extend((i, order, e) for e in detector.update(series.point(i)))
-                    i += 1
-        found.sort(key=lambda item: (item[0], item[1]))
-        return [e for _, _, e in found]
+            k = 0
+            for offset, part in parts:
+                while k < len(evals) and at[k] <= offset:  # the evaluations before this part
+                    found.extend((at[k], 0, k, order, e) for e in detector.evaluate(evals[k]))
+                    k += 1
+                found.extend((offset + i, 1, 0, order, e) for i, e in self._run_one(detector, part))
+            for j in range(k, len(evals)):  # after the last step
+                found.extend((at[j], 0, j, order, e) for e in detector.evaluate(evals[j]))
+        found.sort(key=lambda item: item[:4])
+        return [item[4] for item in found]
+
+    @staticmethod
+    def _run_one(detector: Detector, series: MetricSeries) -> list[tuple[int, Event]]:
+        """One detector's events over a series of training steps, by index."""
+        found: list[tuple[int, Event]] = []
+        n = len(series)
+        i, series.span = 0, MIN_SPAN
+        while i < n:
+            start, i = i, detector.advance(series, i)
+            quiet = i >= series.chunk_end(start)
+            series.span = (
+                min(2 * series.span, MAX_SPAN) if quiet else max(2 * (i - start), MIN_SPAN)
+            )
+            if i < n:
+                found.extend((i, e) for e in detector.update(series.point(i)))
+                i += 1
+        return found
 
     def state_dict(self) -> dict[str, Any]:
         return {d.name: d.state_dict() for d in self.detectors}

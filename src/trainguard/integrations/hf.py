@@ -13,6 +13,7 @@ from trainguard._torch_private import mark_optimizer_stepped, mark_step_wrapped
 from trainguard.config import GuardConfig
 from trainguard.events import TrainguardError, TrainingHalted
 from trainguard.guard import Guard
+from trainguard.integrations.evaluations import evaluation_results
 from trainguard.integrations.schedules import ScheduleHistory
 
 
@@ -35,7 +36,9 @@ class TrainguardCallback(TrainerCallback):
     steps as far as its data reaches (a run bounded by epochs ends with its data; data without
     a length, which the Trainer would start over, is not extended). A skipped step counts as a
     step, as in the plain loop. On resume from a checkpoint the steps lost before it are read
-    back from the schedule, which is that many steps behind the Trainer's count.
+    back from the schedule, which is that many steps behind the Trainer's count. Each
+    evaluation's results (`eval_*`) are fed to `guard.evaluate`, which watches them for
+    forgetting (`eval_decline`).
 
     A Trainer given a DeepSpeed config (`TrainingArguments(deepspeed=...)`, ZeRO 1-3) is
     guarded by a `DeepSpeedGuard` on its engine: the engine's `step()`, which Accelerate calls
@@ -188,6 +191,23 @@ class TrainguardCallback(TrainerCallback):
             control.should_training_stop = True
         elif self._planned is not None:  # the Trainer stops at max_steps: the lost ones made up
             state.max_steps = self._planned + self.lost_steps
+
+    def on_evaluate(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        metrics: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """The Trainer's evaluation results (`eval_loss`, `eval_accuracy`, ...; not its runtime
+        or throughput) go to `guard.evaluate` at the Trainer's step, under the names its
+        trainer_state.json keeps, so that `trainguard analyze` of that file judges the same."""
+        if self.guard is None or self.halted is not None or not metrics:
+            return
+        values = evaluation_results(metrics)
+        if values:
+            self.guard.evaluate(state.global_step, values)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

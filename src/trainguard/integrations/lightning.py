@@ -13,6 +13,7 @@ from trainguard._torch_private import mark_optimizer_stepped, mark_step_wrapped
 from trainguard.config import GuardConfig
 from trainguard.events import TrainguardError, TrainingHalted
 from trainguard.guard import Guard
+from trainguard.integrations.evaluations import evaluation_results
 from trainguard.integrations.schedules import PerStepSchedule, ScheduleHistory
 
 
@@ -29,7 +30,8 @@ class TrainguardCallback(pl.Callback):
     are put back with the weights, and a fit bounded by `max_steps` over data with a length
     runs that many steps longer (the fit loop's step limit is raised; Lightning has no public
     setter for it, so where the loop lacks it the steps stay lost and `lost_steps` says how
-    many)."""
+    many). The validation metrics logged (`val*`) are fed to `guard.evaluate` after each
+    validation, which watches them for forgetting (`eval_decline`)."""
 
     def __init__(
         self,
@@ -168,6 +170,16 @@ class TrainguardCallback(pl.Callback):
             self.lost_steps = int(state["lost_steps"])
         else:
             self.guard.load_state_dict(state)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The validation metrics logged (`val_loss`, `val_acc`, ...) go to `guard.evaluate`
+        at the step and under the names a CSVLogger's metrics.csv gives them; the sanity check
+        before training is not an evaluation of the trained model."""
+        if self.guard is None or self.halted is not None or trainer.sanity_checking:
+            return
+        values = evaluation_results(dict(trainer.callback_metrics))
+        if values:  # at the step of the last training row: Lightning's loggers count from 0
+            self.guard.evaluate(max(trainer.global_step - 1, 0), values)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard is not None and self.halted is None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trainguard.config import PolicyConfig, RecoveryConfig
-from trainguard.detectors.base import MetricPoint
+from trainguard.detectors.base import EvalPoint, MetricPoint
 from trainguard.events import Action, Decision, Event, EventKind
 
 SAME_REGION = 2  # rollbacks to targets this many snapshot intervals apart hit the same region
@@ -77,6 +77,17 @@ class StepPolicy:
             decision.unrolled_incident = incident
             decision.lr_factor = self._next_lr_factor()
         return decision
+
+    def on_evaluation(self, point: EvalPoint, events: list[Event]) -> list[Event]:
+        """What an evaluation's events lead to: warnings, never an action. An evaluation never
+        skips, rolls back or halts (its step was taken long ago): copies of the events, none
+        over `warning`, whatever the evaluation (`point`)."""
+        return [
+            dataclasses.replace(
+                e, action=None, severity="warning" if e.severity == "critical" else e.severity
+            )
+            for e in events
+        ]
 
     @property
     def _same_fault(self) -> int:

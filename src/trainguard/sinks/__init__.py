@@ -2,6 +2,6 @@
 
 from trainguard.sinks.base import Sink
 from trainguard.sinks.console import ConsoleSink
-from trainguard.sinks.jsonl import EventLog, MetricsLog, load_schema
+from trainguard.sinks.jsonl import EvalLog, EventLog, MetricsLog, load_schema
 
-__all__ = ["ConsoleSink", "EventLog", "MetricsLog", "Sink", "load_schema"]
+__all__ = ["ConsoleSink", "EvalLog", "EventLog", "MetricsLog", "Sink", "load_schema"]

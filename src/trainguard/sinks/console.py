@@ -65,6 +65,18 @@ class ConsoleSink(Sink):
         for frame in frames or []:  # the code that made the NaN, innermost last
             self.console.print(f"    {escape(str(frame))}", style="dim", highlight=False)
 
+    def on_evaluation(self, record: dict[str, Any]) -> None:
+        """An evaluation's values on one line, where info events are printed too."""
+        if self.min_rank > SEVERITY_RANK["info"]:
+            return
+        values = record.get("values") or {}
+        shown = ", ".join(f"{name} {_fmt(v)}" for name, v in values.items())
+        self.console.print(
+            f"[dim]trainguard step {record.get('step')} evaluation: {escape(shown)}[/]",
+            highlight=False,
+            soft_wrap=True,
+        )
+
     def on_metrics(self, record: dict[str, Any]) -> None:
         if self.progress is None or self._task is None:
             return

@@ -38,7 +38,10 @@ KIND_COLOURS = {
     "halt": "#000000",
     "weight_jump": "#393b79",
     "fp16_overflow": "#637939",
+    "eval_decline": "#d95f02",
 }
+EVAL_PANEL = "eval:"  # the key of an evaluation's panel: this and its name
+MAX_EVAL_PANELS = 8
 PANEL_OF = {  # the panel an event kind is drawn on, where the run has it
     "grad_spike": "grad_norm",
     "grad_explosion": "grad_norm",
@@ -271,6 +274,13 @@ def _axis_range(values: np.ndarray) -> list[float] | None:
     return [lo - abs(lo) / 2, hi + abs(hi) / 2] if lo else [-1.0, 1.0]
 
 
+def _panel_series(record: RunRecord, panel: str) -> tuple[np.ndarray, np.ndarray]:
+    """The steps and values a panel draws: a column of the run, or an evaluation."""
+    if panel.startswith(EVAL_PANEL):
+        return record.evals[panel.removeprefix(EVAL_PANEL)]
+    return record.steps, record.columns[panel]
+
+
 def _value_at(steps: np.ndarray, values: np.ndarray, step: int) -> float:
     """A column's value at `step`, else its last finite value before it (where a NaN step is
     marked), else NaN."""
@@ -290,6 +300,10 @@ def _curves(record: RunRecord, incidents: list[Incident], types: dict[int, str])
         panels.append(("lr", "learning rate", False))
     if "loss_scale" in cols and np.isfinite(cols["loss_scale"]).any():
         panels.append(("loss_scale", "loss scale", True))
+    evaluations = [  # a panel per evaluation, `MAX_EVAL_PANELS` at most
+        name for name, (_, values) in record.evals.items() if np.isfinite(values).any()
+    ][:MAX_EVAL_PANELS]
+    panels += [(EVAL_PANEL + name, name.replace("_", " "), False) for name in evaluations]
     row_of = {key: row for row, (key, _, _) in enumerate(panels, 1)}
     fig = make_subplots(
         rows=len(panels),
@@ -298,9 +312,22 @@ def _curves(record: RunRecord, incidents: list[Incident], types: dict[int, str])
         vertical_spacing=0.04,
         row_heights=[2.0] + [1.0] * (len(panels) - 1),
     )
-    steps = record.steps
     for row, (key, label, log) in enumerate(panels, 1):
-        x, y = decimate(steps, cols[key])
+        if key.startswith(EVAL_PANEL):
+            eval_steps, values = record.evals[key.removeprefix(EVAL_PANEL)]
+            fig.add_scatter(
+                x=eval_steps.tolist(),
+                y=_finite(values),
+                mode="lines+markers",
+                name=label,
+                row=row,
+                col=1,
+                line={"width": 1.5, "color": "#55a868"},
+                marker={"size": 5},
+            )
+            fig.update_yaxes(title_text=label, row=row, col=1)
+            continue
+        x, y = decimate(record.steps, cols[key])
         fig.add_scatter(
             x=x.tolist(),
             y=_finite(y),
@@ -316,7 +343,7 @@ def _curves(record: RunRecord, incidents: list[Incident], types: dict[int, str])
             fig.update_yaxes(range=_axis_range(cols[key]), exponentformat="e", row=row, col=1)
         fig.update_yaxes(title_text=label, row=row, col=1)
     loss = cols["loss"]
-    x, y, width = _block_medians(steps, loss)
+    x, y, width = _block_medians(record.steps, loss)
     fig.add_scatter(
         x=x.tolist(),
         y=_finite(y),
@@ -326,17 +353,6 @@ def _curves(record: RunRecord, incidents: list[Incident], types: dict[int, str])
         col=1,
         line={"width": 2, "color": "#dd8452"},
     )
-    for name, (eval_steps, values) in record.evals.items():
-        fig.add_scatter(
-            x=eval_steps.tolist(),
-            y=_finite(values),
-            mode="lines+markers",
-            name=name.replace("_", " "),
-            row=1,
-            col=1,
-            line={"width": 1.5, "color": "#55a868", "dash": "dot"},
-            marker={"size": 5},
-        )
     if len(record.abandoned.get("step", [])):
         fig.add_scatter(
             x=record.abandoned["step"].tolist(),
@@ -386,14 +402,17 @@ def _mark_incidents(
             if (step, kind) in seen:  # the step replayed after a rollback: one marker
                 continue
             seen.add((step, kind))
+            metrics = e.get("metrics") or {}
             panel = PANEL_OF.get(kind, "loss")
+            if kind == "eval_decline":  # on its evaluation's panel, at the value it judged
+                panel = f"{EVAL_PANEL}{metrics.get('name')}"
             panel = panel if panel in row_of else "loss"
             value = math.nan
-            metric = (e.get("metrics") or {}).get(panel)
+            metric = metrics.get("value" if panel.startswith(EVAL_PANEL) else panel)
             if isinstance(metric, (int, float)) and not isinstance(metric, bool):
                 value = float(metric)  # what the detector saw there
             if not math.isfinite(value):
-                value = _value_at(record.steps, record.columns[panel], step)
+                value = _value_at(*_panel_series(record, panel), step)
             if kind == "nonfinite":
                 nonfinite.append(step)
             label = _label(e, types)

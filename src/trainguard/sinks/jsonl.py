@@ -15,7 +15,7 @@ from trainguard.sinks.base import Sink
 
 
 def load_schema(name: str) -> dict[str, Any]:
-    """The JSON Schema of a run file: `events` or `metrics`."""
+    """The JSON Schema of a run file: `events`, `metrics` or `evals`."""
     text = resources.files("trainguard").joinpath("schemas", f"{name}.schema.json").read_text()
     schema: dict[str, Any] = json.loads(text)
     return schema
@@ -54,6 +54,30 @@ class EventLog(Sink):
 
     def close(self) -> None:
         self.lines.close(sync=True)
+
+
+class EvalLog(Sink):
+    """`evals.jsonl`: one JSON object per `guard.evaluate` call (step, time, values), written
+    at once; the file is created at the first evaluation."""
+
+    def __init__(self, path: str | Path, report: Report = stderr_report) -> None:
+        self.path = Path(path)
+        self.report = report
+        self.lines: LineFile | None = None
+
+    @property
+    def dropped(self) -> int:
+        """Evaluation lines the disk refused, over the run."""
+        return 0 if self.lines is None else self.lines.dropped
+
+    def on_evaluation(self, record: dict[str, Any]) -> None:
+        if self.lines is None:
+            self.lines = _open_lines(self.path, self.report)
+        self.lines.write((json.dumps(record, allow_nan=False) + "\n").encode())
+
+    def close(self) -> None:
+        if self.lines is not None:
+            self.lines.close()
 
 
 class MetricsLog(Sink):

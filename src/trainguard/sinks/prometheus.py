@@ -40,6 +40,9 @@ class PrometheusSink(Sink):
         self.steps_per_second = Gauge(
             "trainguard_steps_per_second", "Steps per second between logged steps.", registry=r
         )
+        self.evals = Gauge(
+            "trainguard_eval", "The last value of each evaluation.", ["name"], registry=r
+        )
         self.incidents = Counter(
             "trainguard_incidents", "Events at warning or above.", ["kind"], registry=r
         )
@@ -67,6 +70,11 @@ class PrometheusSink(Sink):
             self.skips.inc()
         elif action == "rollback":
             self.rollbacks.inc()
+
+    def on_evaluation(self, record: dict[str, Any]) -> None:
+        for name, value in (record.get("values") or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.evals.labels(name=name).set(float(value))
 
     def on_event(self, event: Event) -> None:
         if SEVERITY_RANK[event.severity] >= SEVERITY_RANK["warning"]:

@@ -20,7 +20,8 @@ RETRY_S = 60.0  # a fresh writer after a failure, at most this often (each one i
 
 class TensorBoardSink(Sink):
     """Writes `train/<figure>` scalars, a `grad_norm/groups` histogram and one scalar per layer
-    group, and each incident as `incidents` text, to TensorBoard event files in `log_dir`."""
+    group, `eval/<name>` scalars of each evaluation, and each incident as `incidents` text, to
+    TensorBoard event files in `log_dir`."""
 
     def __init__(
         self,
@@ -112,6 +113,24 @@ class TensorBoardSink(Sink):
             for name, value in groups.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     writer.add_scalar(f"grad_norm_group/{name}", float(value), step)
+
+    def on_evaluation(self, record: dict[str, Any]) -> None:
+        """Each finite value as an `eval/<name>` scalar."""
+        step = record.get("step")
+        if not isinstance(step, int):
+            return
+        writer = self._usable_writer()
+        if writer is None:
+            self.dropped += 1
+            return
+        try:
+            for name, value in (record.get("values") or {}).items():
+                if _finite_number(value):
+                    writer.add_scalar(f"eval/{name}", float(value), step)
+        except Exception as exc:
+            self._failed(exc)
+            return
+        self._recovered()
 
     def on_event(self, event: Event) -> None:
         if SEVERITY_RANK[event.severity] < SEVERITY_RANK["warning"]:

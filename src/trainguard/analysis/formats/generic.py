@@ -8,13 +8,16 @@ from pathlib import Path
 
 from trainguard.analysis.formats import LIKELY, SURE, LogFormat, ReadOptions
 from trainguard.analysis.logs import (
+    TOKEN_ACCURACY_NAMES,
     LogData,
     delimited,
     delimiter_of,
+    evaluation_columns,
     header_line,
     header_of,
     json_object,
     jsonl,
+    with_evaluations,
 )
 
 STEP_NAMES = ("step", "global_step", "iteration", "iter", "_step", "Step", "trainer/global_step")
@@ -24,6 +27,7 @@ OPTIONAL_NAMES = {
     "grad_norm": ("grad_norm", "train/grad_norm", "gradient_norm", "grad-norm", "norm"),
     "lr": ("lr", "learning_rate", "train/learning_rate", "train/lr", "lr-AdamW", "lr-Adam"),
     "loss_scale": ("loss_scale", "train/loss_scale", "scale"),
+    "token_accuracy": TOKEN_ACCURACY_NAMES,
 }
 
 
@@ -78,8 +82,11 @@ def _sniff_csv(path: Path, head: str) -> int:
 def _read_csv(path: Path, options: ReadOptions) -> list[LogData]:
     first = header_line(path)
     delimiter = delimiter_of(path, first) or ","
-    names = names_for(header_of(first, delimiter, path), options)
-    return [delimited(path, delimiter, names)]
+    columns = header_of(first, delimiter, path)
+    names = names_for(columns, options)
+    evaluated = evaluation_columns(columns, exclude=list(names.values()))
+    data = delimited(path, delimiter, names, other_rows=bool(evaluated))
+    return [with_evaluations(path, data, names["step"], evaluated, delimiter)]
 
 
 def _sniff_jsonl(path: Path, head: str) -> int:

@@ -1,5 +1,6 @@
 """Hugging Face Trainer's `trainer_state.json`: its `log_history` list holds the training logs
-(`step`, `loss`, `grad_norm`, `learning_rate`) and the evaluations (`eval_loss`)."""
+(`step`, `loss`, `grad_norm`, `learning_rate`, TRL's `mean_token_accuracy`) and the evaluations
+(every `eval_*` result: `eval_loss`, `eval_accuracy`, ...; not its runtime or throughput)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,19 @@ from pathlib import Path
 import numpy as np
 
 from trainguard.analysis.formats import SURE, LogFormat, ReadOptions
-from trainguard.analysis.logs import LogData, columns_of, number, open_text
+from trainguard.analysis.logs import (
+    MAX_EVALUATIONS,
+    MAX_STEP,
+    LogData,
+    columns_of,
+    is_evaluation,
+    number,
+    open_text,
+    timeline_of,
+)
 from trainguard.events import TrainguardError
 
-KEYS = {"grad_norm": "grad_norm", "lr": "learning_rate"}
+KEYS = {"grad_norm": "grad_norm", "lr": "learning_rate", "token_accuracy": "mean_token_accuracy"}
 
 
 def _sniff(path: Path, head: str) -> int:
@@ -38,6 +48,7 @@ def _read(path: Path, options: ReadOptions) -> list[LogData]:
         )
     rows: dict[str, list[float]] = {k: [] for k in ("step", "loss", *KEYS)}
     evals: dict[str, list[float]] = {"step": [], "loss": []}
+    named: dict[str, tuple[list[float], list[float]]] = {}  # every eval_* result, by name
     for entry in history:
         if not isinstance(entry, dict):
             continue
@@ -55,7 +66,19 @@ def _read(path: Path, options: ReadOptions) -> list[LogData]:
         if eval_loss is not None:
             evals["step"].append(step)
             evals["loss"].append(eval_loss)
+        for key, value in entry.items():
+            result = number(value) if is_evaluation(key) else None
+            if result is not None and (key in named or len(named) < MAX_EVALUATIONS):
+                steps, values = named.setdefault(key, ([], []))
+                steps.append(step)
+                values.append(result)
     data = columns_of(path, rows, evals, "log_history entry")
+    if rows["step"]:  # evaluations beside a training loss (not standing in for it)
+        data.evaluations = {
+            key: timeline_of(np.asarray(steps), np.asarray(values))
+            for key, (steps, values) in named.items()
+            if np.all(np.abs(steps) < MAX_STEP)
+        }
     return [data]
 
 

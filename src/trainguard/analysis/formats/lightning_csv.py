@@ -9,7 +9,15 @@ import numpy as np
 
 from trainguard.analysis.formats import LIKELY, LogFormat, ReadOptions
 from trainguard.analysis.formats.generic import comma_header, first_of
-from trainguard.analysis.logs import LogData, delimited, header_line, with_evals
+from trainguard.analysis.logs import (
+    TOKEN_ACCURACY_NAMES,
+    LogData,
+    delimited,
+    evaluation_columns,
+    header_line,
+    with_evals,
+    with_evaluations,
+)
 from trainguard.events import TrainguardError
 
 TRAIN = ("train_loss_step", "train_loss", "train/loss", "loss_step", "loss", "training_loss")
@@ -36,7 +44,25 @@ def _read(path: Path, options: ReadOptions) -> list[LogData]:
         if name is not None:
             _align(path, data, key, name)
     evaluated = first_of(columns, EVAL, "val", "loss")
-    return [with_evals(path, data, "step", evaluated if evaluated != loss else None)]
+    data = with_evals(path, data, "step", evaluated if evaluated != loss else None)
+    accuracy = next((c for c in TOKEN_ACCURACY_NAMES if c in columns), None)
+    if accuracy is not None:
+        _align_exact(path, data, "token_accuracy", accuracy)
+    return [with_evaluations(path, data, "step", evaluation_columns(columns, exclude=[loss]))]
+
+
+def _align_exact(path: Path, data: LogData, key: str, column: str) -> None:
+    """A metric logged on some training rows (token accuracy on sampled steps) as a column of
+    the training steps: NaN at a step without it."""
+    try:
+        logged = delimited(path, ",", {"step": "step", "loss": column}, other_rows=True)
+    except TrainguardError:  # no value in any row
+        return
+    at = np.clip(np.searchsorted(logged.steps, data.steps), 0, len(logged.steps) - 1)
+    hit = logged.steps[at] == data.steps
+    values = np.where(hit, logged.loss[at], np.nan)
+    if hit.any():
+        data.extra[key] = values
 
 
 def _align(path: Path, data: LogData, key: str, column: str) -> None:

@@ -8,7 +8,14 @@ from pathlib import Path
 
 from trainguard.analysis.formats import LIKELY, LogFormat, ReadOptions
 from trainguard.analysis.formats.generic import comma_header, first_of
-from trainguard.analysis.logs import LogData, delimited, header_line, with_evals
+from trainguard.analysis.logs import (
+    LogData,
+    delimited,
+    evaluation_columns,
+    header_line,
+    with_evals,
+    with_evaluations,
+)
 from trainguard.events import TrainguardError
 
 STEPS = ("train/global_step", "trainer/global_step", "global_step", "_step")
@@ -62,7 +69,8 @@ def _read(path: Path, options: ReadOptions) -> list[LogData]:
             names[key] = found
     data = delimited(path, ",", names, other_rows=True)
     evaluated = first_of(columns, EVAL, "eval", "loss") or first_of(columns, (), "val", "loss")
-    return [with_evals(path, data, step, evaluated if evaluated != loss else None)]
+    data = with_evals(path, data, step, evaluated if evaluated != loss else None)
+    return [with_evaluations(path, data, step, evaluation_columns(columns, exclude=[loss]))]
 
 
 FORMAT = LogFormat(
