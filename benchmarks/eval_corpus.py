@@ -278,17 +278,20 @@ def label_differences(f: CorpusFile) -> dict[str, tuple[Any, Any]]:
 Firing = tuple[int, str]  # (step, evaluation name)
 
 
-def analyze_firings(path: Path) -> list[Firing]:
-    """The `eval_decline` events `analyze` raises over the file, as `trainguard analyze` would."""
+def analyze_firings(path: Path) -> tuple[list[Firing], set[str]]:
+    """The `eval_decline` events `analyze` raises over the file, as `trainguard analyze` would,
+    and the names of the evaluations the log reader found in it."""
     import trainguard as tg
     from trainguard.analysis import analyze, read_log
 
-    analysis = analyze(read_log(path), tg.GuardConfig())
-    return [
+    data = read_log(path)
+    analysis = analyze(data, tg.GuardConfig())
+    firings = [
         (int(e.step), str(e.metrics.get("name", "")))
         for e in analysis.events
         if e.kind == "eval_decline"
     ]
+    return firings, set(data.named_evaluations())
 
 
 def _inside(step: int, spans: Sequence[Sequence[int]]) -> bool:
@@ -311,9 +314,11 @@ class FileScore:
     borderline: list[Firing]
     in_divergence: list[Firing]
     false: list[Firing]
+    declining: list[str]  # the labelled declining evaluations
+    unread: list[str]  # those the log reader did not return
 
 
-def score_file(f: CorpusFile, firings: list[Firing]) -> FileScore:
+def score_file(f: CorpusFile, firings: list[Firing], read: set[str] | None = None) -> FileScore:
     declines = [list(s) for s in f.label["decline"]]
     widened = [[a, _slack_end(f, b)] for a, b in declines]
     caught: list[tuple[list[int], int, int] | None] = []
@@ -330,7 +335,20 @@ def score_file(f: CorpusFile, firings: list[Firing]) -> FileScore:
     in_divergence = [x for x in rest if _inside(x[0], f.label["eval_up_with_train"])]
     false = [x for x in rest if x not in in_divergence]
     healthy = bool(f.label["healthy"])
-    return FileScore(f.name, f.half, healthy, firings, caught, borderline, in_divergence, false)
+    unread = [m for m in f.label["decline_metrics"] if read is not None and m not in read]
+    declining = list(f.label["decline_metrics"])
+    return FileScore(
+        f.name,
+        f.half,
+        healthy,
+        firings,
+        caught,
+        borderline,
+        in_divergence,
+        false,
+        declining,
+        unread,
+    )
 
 
 def half_summary(scores: list[FileScore]) -> dict[str, Any]:
@@ -354,16 +372,22 @@ def half_summary(scores: list[FileScore]) -> dict[str, Any]:
         "false_warnings_on_healthy": sum(len(s.false) for s in healthy),
         "in_divergence": sum(len(s.in_divergence) for s in scores),
         "borderline_firings": sum(len(s.borderline) for s in scores),
+        "missed_unread": sum(  # missed spans of files whose declining evaluations were not read
+            s.caught.count(None) for s in scores if s.unread and s.unread == s.declining
+        ),
     }
 
 
 def run(
-    files: list[CorpusFile], firings_of: Callable[[Path], list[Firing]] = analyze_firings
+    files: list[CorpusFile],
+    judge: Callable[[Path], tuple[list[Firing], set[str]]] = analyze_firings,
 ) -> list[FileScore]:
-    return [score_file(f, firings_of(f.path)) for f in files]
+    return [score_file(f, *judge(f.path)) for f in files]
 
 
 def render(scores: list[FileScore]) -> str:
+    from trainguard.analysis.logs import MAX_EVALUATIONS
+
     def cell(v: Any) -> str:
         return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
 
@@ -377,8 +401,8 @@ def render(scores: list[FileScore]) -> str:
         "",
         "| half | files | with a decline | decline spans | caught | lag steps (median / max) "
         "| lag evaluations (median / max) | healthy files warned | false warnings (on healthy "
-        "files) | in divergence | borderline firings |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "files) | in divergence | borderline firings | missed, declining evaluation not read |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for h, r in rows.items():
         lines.append(
@@ -387,8 +411,30 @@ def render(scores: list[FileScore]) -> str:
             f"| {cell(r['lag_evals_median'])} / {cell(r['lag_evals_max'])} "
             f"| {r['healthy_files_warned']} of {r['healthy_files']} "
             f"| {r['false_warnings']} ({r['false_warnings_on_healthy']}) | {r['in_divergence']} "
-            f"| {r['borderline_firings']} |"
+            f"| {r['borderline_firings']} | {r['missed_unread']} |"
         )
+    for h, r in rows.items():
+        lag = (
+            f" (lag median {cell(r['lag_steps_median'])} steps, {cell(r['lag_evals_median'])} "
+            "evaluations)"
+            if r["caught"]
+            else ""
+        )
+        unread = (
+            f"; {r['missed_unread']} of the misses in files whose declining evaluation the log "
+            f"reader did not return (it keeps the first {MAX_EVALUATIONS} evaluation names of a "
+            "log)"
+            if r["missed_unread"]
+            else ""
+        )
+        lines += [
+            "",
+            f"{'Held-out half (the report)' if h == 'held_out' else 'Tune half'}: caught "
+            f"{r['caught']} of {r['decline_spans']} decline spans{lag}{unread}; "
+            f"{r['false_warnings']} false warnings, {r['healthy_files_warned']} of "
+            f"{r['healthy_files']} healthy files warned; {r['in_divergence']} firings while the "
+            f"training loss rose too, {r['borderline_firings']} on borderline spans.",
+        ]
     lines += [
         "",
         "| file | half | label | firings (step: evaluation) | outcome |",
@@ -402,6 +448,8 @@ def render(scores: list[FileScore]) -> str:
         outcome = []
         for c in s.caught:
             outcome.append("missed" if c is None else f"caught {c[0]} after {c[1]} steps")
+        if s.unread:
+            outcome.append(f"not read: {', '.join(s.unread)}")
         for what, xs in (
             ("false", s.false),
             ("in divergence", s.in_divergence),

@@ -68,8 +68,13 @@ def test_the_reader_finds_the_evaluations_of_every_file(corpus):
         data = read_log(f.path)
         assert data.format == "hf_trainer_state", f.name
         assert len(data.steps) >= 3, f.name
+        named = data.named_evaluations()
+        assert named, f"{f.name}: the reader found no evaluation"
+        for name, (steps, values) in named.items():
+            assert len(steps) == len(values) >= 3, (f.name, name)
+            logged = dict(ec.eval_points(f.history)[name])
+            assert [logged[float(s)] for s in steps] == pytest.approx(values), (f.name, name)
         if "eval_loss" in ec.eval_points(f.history):
-            assert len(data.evals["step"]) >= 3, f.name
             assert len(data.evals["step"]) == len(ec.eval_points(f.history)["eval_loss"])
 
 
@@ -101,9 +106,10 @@ def test_scoring_counts_catches_lag_false_and_borderline_firings(corpus):
     ((a, b),) = f.label["decline"]
     after = [s for s in f.eval_steps if s > a]
     firings = [(after[1], "eval_loss"), (100, "eval_accuracy"), (after[0], "eval_loss")]
-    score = ec.score_file(f, firings)
+    score = ec.score_file(f, firings, {"eval_accuracy"})
     assert score.caught == [([a, b], after[0] - a, 1)]
     assert score.false == [(100, "eval_accuracy")] and not score.borderline
+    assert score.unread == ["eval_loss"]  # labelled declining, not among those read
     assert ec.score_file(f, [(a - 1, "eval_loss")]).caught == [None]
     g = next(g for g in corpus if g.name == "P-Zande-nlp-team-4-model.json")
     scored = ec.score_file(g, [(4000, "eval_loss"), (1000, "eval_loss")])
@@ -111,3 +117,4 @@ def test_scoring_counts_catches_lag_false_and_borderline_firings(corpus):
     summary = ec.half_summary([score, scored])
     assert summary["decline_spans"] == 1 and summary["caught"] == 1
     assert summary["false_warnings"] == 2 and summary["borderline_firings"] == 1
+    assert summary["missed_unread"] == 0  # the span with an unread evaluation was caught
