@@ -495,6 +495,25 @@ def test_a_trainer_state_with_an_accuracy_and_no_eval_loss_gives_it(tmp_path):
     assert data.evaluations["eval_accuracy"][0].tolist() == [10, 20, 30]
 
 
+def test_per_class_metrics_never_crowd_out_the_evaluation_loss(tmp_path):
+    """A token-classification log lists 20 per-tag metrics and their counts before eval_loss
+    in each entry: the loss and the one-word metrics come first, counts are not evaluations."""
+    from trainguard.analysis.logs import MAX_EVALUATIONS, read_log
+
+    history: list[dict[str, Any]] = [{"step": s, "loss": 2.0 - s / 100} for s in range(1, 40)]
+    for s in (10, 20, 30):
+        entry: dict[str, Any] = {"step": s}
+        for tag in range(20):
+            entry[f"eval_T{tag:03d}_f1"] = 0.5
+            entry[f"eval_T{tag:03d}_number"] = 12
+        entry.update({"eval_loss": 1.0 + s / 100, "eval_f1": 0.6, "eval_runtime": 3.0})
+        history.append(entry)
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    names = list(read_log(tmp_path / "trainer_state.json").evaluations)
+    assert names[:2] == ["eval_loss", "eval_f1"] and len(names) == MAX_EVALUATIONS
+    assert not any(n.endswith("_number") for n in names)
+
+
 def test_a_detectors_evaluation_event_is_a_warning_at_most_and_never_an_action():
     from trainguard.detectors import Detector, register_detector, unregister_detector
 

@@ -52,8 +52,10 @@ TOKEN_ACCURACY_NAMES = (
 # the columns of a log that hold an evaluation: named with one of these prefixes, and not one of
 # the timing figures an evaluation logs beside its results
 EVAL_PREFIXES = ("eval_", "eval/", "val_", "val/", "valid_", "valid/", "validation_", "validation/")
-EVAL_NOT = ("time", "per_second", "samples", "num_tokens", "epoch")  # runtime, throughput
-MAX_EVALUATIONS = 16  # evaluations read from one log
+EVAL_NOT = (  # runtime, throughput and counts
+    "time", "per_second", "samples", "num_tokens", "epoch", "_number", "_support", "_count",
+)  # fmt: skip
+MAX_EVALUATIONS = 16  # evaluations read from one log: losses first, then one-word metrics
 TB_TAGS = {  # TensorBoard tags tried in order when none is named
     "loss": ("loss", "train/loss", "train_loss", "training/loss", "loss/train"),
     "grad_norm": ("grad_norm", "train/grad_norm", "gradient_norm", "train/gradient_norm"),
@@ -534,9 +536,22 @@ def is_evaluation(name: str) -> bool:
 
 
 def evaluation_columns(columns: Sequence[str], exclude: Sequence[str | None] = ()) -> list[str]:
-    """The columns that hold evaluations (`is_evaluation`), `MAX_EVALUATIONS` at most, less
-    those in `exclude` (the training loss's)."""
-    return [c for c in columns if is_evaluation(c) and c not in exclude][:MAX_EVALUATIONS]
+    """The columns that hold evaluations (`is_evaluation`), less those in `exclude` (the
+    training loss's), `MAX_EVALUATIONS` at most as `first_evaluations` picks them."""
+    return first_evaluations([c for c in columns if is_evaluation(c) and c not in exclude])
+
+
+def first_evaluations(names: Sequence[str]) -> list[str]:
+    """The `MAX_EVALUATIONS` evaluations a log is judged on, in their order: losses first
+    (`eval_loss`), then one-word metrics (`eval_accuracy`, `eval_f1`), then the rest (a
+    per-class `eval_PER_f1`), so per-class columns never crowd out the loss."""
+
+    def rank(name: str) -> int:
+        low = name.lower()
+        rest = low[next(len(p) for p in EVAL_PREFIXES if low.startswith(p)) :]
+        return 0 if "loss" in low else 1 if "_" not in rest and "/" not in rest else 2
+
+    return sorted(names, key=rank)[:MAX_EVALUATIONS]
 
 
 def with_evaluations(

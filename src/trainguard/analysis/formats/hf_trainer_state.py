@@ -11,10 +11,10 @@ import numpy as np
 
 from trainguard.analysis.formats import SURE, LogFormat, ReadOptions
 from trainguard.analysis.logs import (
-    MAX_EVALUATIONS,
     MAX_STEP,
     LogData,
     columns_of,
+    first_evaluations,
     is_evaluation,
     number,
     open_text,
@@ -68,7 +68,7 @@ def _read(path: Path, options: ReadOptions) -> list[LogData]:
             evals["loss"].append(eval_loss)
         for key, value in entry.items():
             result = number(value) if is_evaluation(key) else None
-            if result is not None and (key in named or len(named) < MAX_EVALUATIONS):
+            if result is not None:
                 steps, values = named.setdefault(key, ([], []))
                 steps.append(step)
                 values.append(result)
@@ -76,7 +76,7 @@ def _read(path: Path, options: ReadOptions) -> list[LogData]:
     if rows["step"]:  # evaluations beside a training loss (not standing in for it)
         data.evaluations = {
             key: timeline_of(np.asarray(steps), np.asarray(values))
-            for key, (steps, values) in named.items()
+            for key, (steps, values) in ((k, named[k]) for k in first_evaluations(list(named)))
             if np.all(np.abs(steps) < MAX_STEP)
         }
     return [data]
