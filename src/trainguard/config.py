@@ -316,6 +316,39 @@ class ReplicasConfig(_Section):
     )
 
 
+class PrecursorsConfig(_Section):
+    """The precursors of divergence, measured on a sampled step through forward hooks on the
+    step's first training forward: each attention layer's max logit and entropy, each block's
+    output RMS, the output log-partition (log Z), token accuracy, and Adam's update-to-epsilon
+    ratio per layer group; nothing is measured on the other steps."""
+
+    enabled: bool = Field(
+        True,
+        description="Measure the precursors (needs a model; attention layers are found by "
+        "structure: separate, fused or interleaved q/k projections, nn.MultiheadAttention).",
+    )
+    every: int = Field(
+        50,
+        ge=1,
+        description="Steps between sampled steps: the hooks sit on the forward of steps "
+        "0, every, 2*every, ... only (one extra collective then in a distributed run).",
+    )
+    max_sequences: int = Field(
+        4, ge=1, description="Sequences of the sampled forward's batch that are measured."
+    )
+    max_queries: int = Field(
+        128,
+        ge=1,
+        description="Query positions per sequence whose attention logits are measured, spread "
+        "evenly over the sequence (the last always among them).",
+    )
+    adam_eps_ratio: bool = Field(
+        True,
+        description="Measure sqrt(mean v_hat)/eps per layer group from an Adam-like "
+        "optimizer's state (exp_avg_sq): near 1 or below, eps damps the updates.",
+    )
+
+
 AlertChannel = Literal["webhook", "email", "console"]
 REMOTE_CHANNELS: tuple[AlertChannel, ...] = ("webhook", "email")
 MASK = "**********"  # how a secret is written out
@@ -742,6 +775,7 @@ class GuardConfig(_Section):
     straggler: StragglerConfig = Field(default_factory=StragglerConfig)
     replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    precursors: PrecursorsConfig = Field(default_factory=PrecursorsConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     diagnosis: DiagnosisConfig = Field(default_factory=DiagnosisConfig)

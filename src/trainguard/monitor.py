@@ -67,9 +67,12 @@ class Monitor:
         loss_scale: float | None = None,
         group_grad_norms: dict[str, float] | None = None,
         batch_ids: Iterable[Any] | None = None,
+        token_accuracy: torch.Tensor | float | None = None,
     ) -> Decision:
         """Feed the detectors from plain numbers without touching a model; the decision is
-        advisory: nothing is stepped or skipped, and a halt is logged and returned."""
+        advisory: nothing is stepped or skipped, and a halt is logged and returned.
+        `token_accuracy` is the share of tokens whose argmax is the target (a tensor is read
+        here: one host transfer)."""
         point = MetricPoint(
             step=int(step),
             loss=float(loss),
@@ -77,6 +80,7 @@ class Monitor:
             lr=None if lr is None else float(lr),
             loss_scale=None if loss_scale is None else float(loss_scale),
             group_grad_norms=group_grad_norms,
+            token_accuracy=None if token_accuracy is None else float(token_accuracy),
         )
         decision, events = self._decide(point, batch_ids)
         decision = self._finish(point, decision, events, None)
