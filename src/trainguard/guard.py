@@ -20,6 +20,7 @@ from trainguard.actions.checkpoint_files import DamagedCheckpoint
 from trainguard.actions.checkpoints import CheckpointStore, check_rng
 from trainguard.actions.data import GuardedBatches, default_batch_ids
 from trainguard.actions.preempt import Preemption
+from trainguard.actions.preemptive import PreemptiveActions
 from trainguard.actions.quarantine import Quarantine
 from trainguard.actions.replicas import ReplicaResync
 from trainguard.actions.snapshots import SnapshotRing
@@ -130,6 +131,7 @@ class Guard(Monitor):
         self.user_actions = build_actions(cfg) if self._training is not None else []
         self.probe: PrecursorProbe | None = None
         self.preemption: Preemption | None = None
+        self.preemptive: PreemptiveActions | None = None
         if model is not None:
             self._start_probe(model, optimizer, stats)
         self.checkpointing: Checkpointing | None = None
@@ -179,6 +181,11 @@ class Guard(Monitor):
                 self._publish([self._probe_note(missing)])
         self.preemption = Preemption(
             model, self.probe.structure if self.probe is not None else None
+        )
+        self.preemptive = PreemptiveActions(
+            self._training.actions if self._training is not None else None,
+            self.preemption,
+            cfg.preempt.z_loss_weight,
         )
 
     def _probe_note(self, message: str) -> Event:
@@ -353,6 +360,8 @@ class Guard(Monitor):
             parts.actions.step(signals.loss)
             parts.stats.after_optimizer_step(step)
             events += self._publish(self.recovery.cut_lr(decision))
+            if self.preemptive is not None:  # on a precursor warning, where the policy chose
+                events += self._publish(self.preemptive.apply(decision))
             self.recovery.maybe_snapshot(self.global_step)
             self._maybe_checkpoint(checkpoint_due)
         else:
@@ -580,7 +589,9 @@ class Guard(Monitor):
         state = plain["guard"]
         try:
             DetectorSuite(self.config).load_state_dict(state["detectors"])
-            StepPolicy(self.config.policy, self.config.recovery).load_state_dict(state["policy"])
+            StepPolicy(
+                self.config.policy, self.config.recovery, self.config.precursors.preempt
+            ).load_state_dict(state["policy"])
             if self.optimizer is not None and state.get("actions") is not None:
                 OptimizerActions(self.optimizer).load_state_dict(state["actions"])
             self.recovery.read_state(state)

@@ -43,7 +43,9 @@ class Monitor:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.detectors = DetectorSuite(self.config)
         self.policy = StepPolicy(
-            self.config.policy, self.config.recovery.sized(self.config.diagnosis.total_steps)
+            self.config.policy,
+            self.config.recovery.sized(self.config.diagnosis.total_steps),
+            self.config.precursors.preempt,
         )
         self.ranks = RankContext.detect(device if device is not None else torch.device("cpu"))
         self.enricher = EventEnricher(self.ranks)

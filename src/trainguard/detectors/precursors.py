@@ -54,7 +54,7 @@ class PrecursorWarningDetector(Detector):
     def advance(self, series: MetricSeries, start: int) -> int:
         """Steps without a precursor sample change nothing: they are taken in bulk."""
         end = series.chunk_end(start)
-        column = getattr(series, "precursors", None)
+        column = series.precursors
         if not column:
             return end
         for i in range(start, end):

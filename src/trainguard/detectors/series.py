@@ -29,6 +29,8 @@ class MetricSeries:
     nonfinite_grads: np.ndarray | None = None
     group_grad_norms: list[dict[str, float] | None] | None = None
     group_param_norms: list[dict[str, float] | None] | None = None
+    # the sampled steps' precursors (signal -> layer -> value), None on the other steps
+    precursors: list[dict[str, dict[str, float]] | None] | None = None
     span: int = MIN_SPAN  # look-ahead of `advance`: grows over quiet stretches, shrinks at events
 
     def __len__(self) -> int:
@@ -45,6 +47,7 @@ class MetricSeries:
             nonfinite_grads=int(self.nonfinite_grads[i]) if self.nonfinite_grads is not None else 0,
             group_grad_norms=self.group_grad_norms[i] if self.group_grad_norms else None,
             group_param_norms=self.group_param_norms[i] if self.group_param_norms else None,
+            precursors=self.precursors[i] if self.precursors else None,
         )
 
     @property

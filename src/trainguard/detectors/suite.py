@@ -17,6 +17,7 @@ from trainguard.detectors.health import HealthThresholdDetector
 from trainguard.detectors.loss_ema import LossEmaDetector, loss_ema_routed
 from trainguard.detectors.loss_spike import LossSpikeDetector
 from trainguard.detectors.nonfinite import NonFiniteDetector
+from trainguard.detectors.precursors import PrecursorWarningDetector
 from trainguard.detectors.ranks import RankOutlierDetector, StragglerDetector
 from trainguard.detectors.replicas import ReplicaDivergenceDetector
 from trainguard.detectors.routing import RoutingCollapseDetector
@@ -85,6 +86,10 @@ _enabled(lambda c: StragglerDetector(c.straggler), lambda c: c.straggler.enabled
 _enabled(lambda c: ReplicaDivergenceDetector(), lambda c: c.replicas.every > 0)
 _enabled(lambda c: RoutingCollapseDetector(c.routing), lambda c: c.routing.enabled)
 _enabled(lambda c: LossEmaDetector(c.alerts), lambda c: loss_ema_routed(c.alerts))
+_enabled(
+    lambda c: PrecursorWarningDetector(c.precursors.warning),
+    lambda c: c.precursors.enabled and c.precursors.warning.enabled,
+)
 
 
 class DetectorSuite:
