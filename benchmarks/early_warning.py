@@ -113,8 +113,9 @@ class LM(nn.Module):
         return out
 
 
-def schedule(steps: int) -> Any:
-    warmup = int(WARMUP_SHARE * steps)
+def schedule(steps: int, share: float) -> Any:
+    """A linear warmup over `share` of the steps, then a cosine to `FINAL_LR_SHARE`."""
+    warmup = max(1, int(share * steps))
 
     def factor(s: int) -> float:
         if s < warmup:
@@ -125,13 +126,15 @@ def schedule(steps: int) -> Any:
     return factor
 
 
-def train(lr: float, seed: int, steps: int, preempt: dict[str, Any] | None) -> dict[str, Any]:
+def train(
+    lr: float, seed: int, steps: int, preempt: dict[str, Any] | None, warmup: float
+) -> dict[str, Any]:
     """One run under a watching Guard; the loss a step and every event's step, kind, metrics."""
     torch.manual_seed(seed)
     corpus = TextCorpus.load()
     model = LM(corpus.vocab_size)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(steps, warmup))
     config = tg.GuardConfig(
         console=False,
         policy={"skip_on": []},
@@ -205,6 +208,9 @@ def first_of(run: dict[str, Any], kinds: tuple[str, ...]) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument(
+        "--warmup", type=float, default=WARMUP_SHARE, help="share of the steps warming up"
+    )
     parser.add_argument("--cache", type=Path, default=Path("benchmarks/.early_warning.json"))
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
@@ -214,8 +220,10 @@ def main() -> None:
 
     def run(arm: str, lr: float, seed: int) -> dict[str, Any]:
         key = f"{arm}|{lr:.6g}|{seed}|{args.steps}"
+        if args.warmup != WARMUP_SHARE:
+            key += f"|warmup {args.warmup:g}"
         if key not in cache:
-            result = train(lr, seed, args.steps, VARIANTS.get(arm))
+            result = train(lr, seed, args.steps, VARIANTS.get(arm), args.warmup)
             cache[key] = result
             args.cache.write_text(json.dumps(cache))
             print(f"{key}: {result['seconds']:.0f}s", file=sys.stderr, flush=True)
@@ -262,7 +270,8 @@ def main() -> None:
             "early-warning",
             "Early warning: precursors before the loss spike (issue 21)",
             body,
-            f"nice python benchmarks/early_warning.py --steps {args.steps}",
+            f"nice python benchmarks/early_warning.py --steps {args.steps} "
+            f"--warmup {args.warmup:g}",
         )
 
 
