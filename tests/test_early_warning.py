@@ -4,7 +4,9 @@ high an LR; the preemptive actions, off by default, taken once when switched on.
 from __future__ import annotations
 
 import functools
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,8 @@ from pydantic import ValidationError
 from torch import nn
 
 import trainguard as tg
+from trainguard.analysis.analyzer import analyze
+from trainguard.analysis.logs import read_log
 from trainguard.config import PrecursorWarningConfig, PreemptConfig
 from trainguard.demo.data import TextCorpus
 from trainguard.detectors.base import MetricPoint
@@ -315,3 +319,17 @@ def test_the_suite_runs_it_offline_as_live() -> None:
     live = [e for e in live if e.kind == "precursor"]
     assert len(offline) == 1 and [e.step for e in offline] == [e.step for e in live]
     assert offline[0].metrics == live[0].metrics
+
+
+def test_analyze_reads_the_precursors_of_a_guarded_runs_log(tmp_path: Path) -> None:
+    rows = []
+    for step in range(45 * EVERY):
+        row: dict[str, Any] = {"step": step, "loss": 2.0 - 1e-4 * step, "action": "step"}
+        if step % EVERY == 0:
+            row["precursors"] = {"max_logit": {"0": 10.0 * 1.06 ** (step // EVERY)}}
+        rows.append(json.dumps(row))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    data = read_log(tmp_path / "metrics.jsonl")
+    assert len(data.precursors) == 45
+    found = [e for e in analyze(data).events if e.kind == "precursor"]
+    assert len(found) == 1 and found[0].metrics["layer"] == "0"

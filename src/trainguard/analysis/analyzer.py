@@ -311,6 +311,11 @@ def _first_of_each_nan_stretch(
             lr=cut(series.lr),
             loss_scale=cut(series.loss_scale),
             overflow=cut(series.overflow),
+            precursors=(
+                None
+                if series.precursors is None
+                else [p for p, k in zip(series.precursors, keep.tolist(), strict=True) if k]
+            ),
         ),
         lengths,
     )

@@ -65,6 +65,8 @@ class LogData:
     evals: dict[str, np.ndarray] = field(default_factory=dict)  # "step", "loss": evaluations
     format: str = ""  # the format it was read as
     run: str | None = None  # the run's name, in a file that holds several
+    # a guarded run's sampled precursors by step (metrics.jsonl's "precursors")
+    precursors: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
 
     def series(self) -> MetricSeries:
         """The columns as the detectors read them (NaN marks a missing value)."""
@@ -74,6 +76,11 @@ class LogData:
             grad_norm=self.extra.get("grad_norm"),
             lr=self.extra.get("lr"),
             loss_scale=self.extra.get("loss_scale"),
+            precursors=(
+                [self.precursors.get(int(step)) for step in self.steps.tolist()]
+                if self.precursors
+                else None
+            ),
         )
 
 
@@ -277,6 +284,8 @@ def read_runs(
             from trainguard.analysis.run import recorded_events
 
             runs[0].recorded = recorded_events(p.parent / "events.jsonl", runs[0].warnings)
+        if p.name == "metrics.jsonl" and runs:
+            runs[0].precursors = precursor_samples(p)
         return _chosen_run(p, runs, run)
     except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
         raise _damaged_gzip(p, exc) from None
@@ -634,6 +643,32 @@ def _keep(cells: Mapping[str, object], cols: dict[str, array[float]]) -> bool:
             v = number(cells.get(key))
             cols[key].append(math.nan if v is None else v)
     return True
+
+
+def precursor_samples(p: Path) -> dict[int, dict[str, dict[str, float]]]:
+    """The sampled steps' precursors of a guarded run's metrics.jsonl, by step (the last row of
+    a step wins, as for the loss); rows without them, or malformed, are passed over."""
+    found: dict[int, dict[str, dict[str, float]]] = {}
+    with open_text(p) as f:
+        for line in f:
+            if '"precursors"' not in line:
+                continue
+            record = json_object(line)
+            if record is None:
+                continue
+            step, sampled = record.get("step"), record.get("precursors")
+            if not isinstance(step, int) or not isinstance(sampled, dict):
+                continue
+            found[step] = {
+                str(signal): {
+                    str(layer): float(v)
+                    for layer, v in layers.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)
+                }
+                for signal, layers in sampled.items()
+                if isinstance(layers, dict)
+            }
+    return found
 
 
 def jsonl(
