@@ -321,7 +321,7 @@ def test_a_model_without_attention_is_measured_where_it_can_and_said_once(
         if e["kind"] == EventKind.LINT and "precursors" in e["message"]
     ]
     assert len(notes) == 1 and notes[0]["severity"] == "info"
-    assert "no attention layer" in notes[0]["message"]
+    assert "an attention layer" in notes[0]["message"]
 
 
 def test_config_section_is_validated() -> None:
@@ -409,3 +409,20 @@ def test_preemption_state_round_trips_through_the_guard_state(tmp_path: Path) ->
     fresh.load_state_dict(state)
     assert fresh.preemption.z_loss_weight is None and not fresh_model.head._forward_hooks
     fresh.close()
+
+
+def test_analyze_reads_the_precursors_and_token_accuracy_of_a_guarded_run(tmp_path: Path) -> None:
+    from trainguard.analysis.logs import read_log
+
+    model = _tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = tg.Guard(model, opt, config=_config(every=2), run_dir=tmp_path)
+    live = [d.metrics for d in _train(guard, model, 5, token_accuracy=0.5)]
+    guard.close()
+    series = read_log(tmp_path).series()
+    points = [series.point(i) for i in range(len(series))]
+    assert [p.step for p in points] == [0, 1, 2, 3, 4]
+    for point, record in zip(points, live, strict=True):
+        assert point.token_accuracy == 0.5
+        assert point.precursors == record.get("precursors")
+    assert [p.precursors is not None for p in points] == [True, False, True, False, True]

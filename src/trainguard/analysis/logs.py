@@ -27,7 +27,7 @@ from trainguard.events import TrainguardError
 if TYPE_CHECKING:
     from trainguard.analysis.formats import LogFormat, ReadOptions
 
-OPTIONAL = ("grad_norm", "lr", "loss_scale")
+OPTIONAL = ("grad_norm", "lr", "loss_scale", "token_accuracy")
 MAX_WARNED_ROWS = 10
 USE_PANDAS = True  # parse clean blocks with pandas when it is installed
 BLOCK_BYTES = 1 << 24  # bytes parsed at once; a block with a bad row is parsed row by row
@@ -46,6 +46,7 @@ TB_TAGS = {  # TensorBoard tags tried in order when none is named
     "grad_norm": ("grad_norm", "train/grad_norm", "gradient_norm", "train/gradient_norm"),
     "lr": ("lr", "learning_rate", "train/learning_rate", "train/lr", "lr-AdamW", "lr-Adam"),
     "loss_scale": ("loss_scale", "train/loss_scale"),
+    "token_accuracy": ("token_accuracy", "train/token_accuracy", "train/mean_token_accuracy"),
 }
 
 
@@ -65,6 +66,8 @@ class LogData:
     evals: dict[str, np.ndarray] = field(default_factory=dict)  # "step", "loss": evaluations
     format: str = ""  # the format it was read as
     run: str | None = None  # the run's name, in a file that holds several
+    # a guarded run's precursors (metrics.jsonl's `precursors`), one entry a step (None: none)
+    precursors: list[dict[str, dict[str, float]] | None] | None = None
 
     def series(self) -> MetricSeries:
         """The columns as the detectors read them (NaN marks a missing value)."""
@@ -74,6 +77,8 @@ class LogData:
             grad_norm=self.extra.get("grad_norm"),
             lr=self.extra.get("lr"),
             loss_scale=self.extra.get("loss_scale"),
+            token_accuracy=self.extra.get("token_accuracy"),
+            precursors=self.precursors,
         )
 
 
@@ -651,6 +656,7 @@ def jsonl(
     names = names_for(seen, options)
     out = _Columns()
     cols: dict[str, array[float]] = {k: array("d") for k in names}
+    precursors: dict[int, Any] = {}  # step -> its last row's precursors, where any row had some
     lineno, line = 0, ""
     with open_text(p) as f:
         for lineno, line in enumerate(f, 1):
@@ -665,13 +671,35 @@ def jsonl(
             cells = {key: record.get(name) for key, name in names.items()}
             if not _keep(cells, cols):
                 out.skip(lineno)
+            else:
+                _note_precursors(record, cols["step"][-1], precursors)
     if line and not line.endswith("\n"):
         out.unfinished = lineno
     for key in ("step", "loss"):
         if names[key] not in seen:
             raise _missing(p, names[key], seen)
     out.add({k: np.frombuffer(v, dtype=np.float64) for k, v in cols.items() if len(v)})
-    return out.finish(p)
+    data = out.finish(p)
+    if precursors:
+        data.precursors = [precursors.get(int(s)) for s in data.steps]
+    return data
+
+
+def _note_precursors(record: dict[str, Any], step: float, found: dict[int, Any]) -> None:
+    """Keep a row's `precursors` (signal -> layer -> number) by its step; a later row of a step
+    replaces an earlier one's, as the final timeline keeps the last row of each step."""
+    value = record.get("precursors")
+    key = int(step)
+    if isinstance(value, dict):
+        found[key] = {
+            str(signal): {
+                str(layer): v for layer, x in layers.items() if (v := number(x)) is not None
+            }
+            for signal, layers in value.items()
+            if isinstance(layers, dict)
+        }
+    elif key in found:
+        found[key] = None
 
 
 def _tensorboard(p: Path, tag: str | None) -> LogData:

@@ -29,6 +29,8 @@ class MetricSeries:
     nonfinite_grads: np.ndarray | None = None
     group_grad_norms: list[dict[str, float] | None] | None = None
     group_param_norms: list[dict[str, float] | None] | None = None
+    token_accuracy: np.ndarray | None = None  # NaN where a step has none
+    precursors: list[dict[str, dict[str, float]] | None] | None = None  # sampled steps only
     span: int = MIN_SPAN  # look-ahead of `advance`: grows over quiet stretches, shrinks at events
 
     def __len__(self) -> int:
@@ -45,6 +47,8 @@ class MetricSeries:
             nonfinite_grads=int(self.nonfinite_grads[i]) if self.nonfinite_grads is not None else 0,
             group_grad_norms=self.group_grad_norms[i] if self.group_grad_norms else None,
             group_param_norms=self.group_param_norms[i] if self.group_param_norms else None,
+            token_accuracy=_present(self.token_accuracy, i),
+            precursors=self.precursors[i] if self.precursors else None,
         )
 
     @property

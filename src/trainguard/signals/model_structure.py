@@ -110,15 +110,15 @@ def find_structure(model: nn.Module) -> ModelStructure:
     found.uses_rope = _uses_rope(model)
     if not found.attention:
         found.missing.append(
-            "no attention layer (q/k projections, fused qkv, nn.MultiheadAttention)"
+            "an attention layer (q/k projections, fused qkv, nn.MultiheadAttention)"
             + (f"; heads unknown in {', '.join(unsized)}" if unsized else "")
         )
     elif unsized:
         found.missing.append(f"the head count of {', '.join(unsized)}")
     if not found.blocks:
-        found.missing.append("no blocks (a ModuleList of one class)")
+        found.missing.append("blocks (a ModuleList of one class)")
     if found.head is None:
-        found.missing.append("no output head (get_output_embeddings or a vocab-wide Linear)")
+        found.missing.append("an output head (get_output_embeddings, a vocab-wide Linear)")
     return found
 
 

@@ -73,7 +73,7 @@ class PrecursorProbe:
         if self._adam is not None:
             self.names += [("adam_eps_ratio", g) for g in group_names]
         elif config.adam_eps_ratio and optimizer is not None:
-            s.missing.append("Adam's state (exp_avg_sq, betas, eps): no adam_eps_ratio")
+            s.missing.append("an Adam-like optimizer (betas, eps, exp_avg_sq)")
         self._slot = {name: i for i, name in enumerate(self.names)}
         self._handles: list[RemovableHandle] = []
         self._armed: int | None = None  # the sampled step whose forward the hooks wait for
@@ -90,15 +90,13 @@ class PrecursorProbe:
         """One line on what the probe could not find in the model (None: it found it all)."""
         if not self.structure.missing:
             return None
-        return (
-            "precursors: could not find "
-            + "; ".join(self.structure.missing)
-            + ". The rest is measured."
-        )
+        rest = "the rest is measured" if self.names else "nothing is measured"
+        return f"precursors: could not find {'; '.join(self.structure.missing)}: {rest}"
 
     # -- sampling --------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        return self.config.enabled and step % self.config.every == 0
+        """Whether `step` is sampled (never where the model offers nothing to measure)."""
+        return self.config.enabled and bool(self.names) and step % self.config.every == 0
 
     def arm(self, step: int) -> None:
         """Hook the next training forward when `step` is a sampled one (else nothing)."""
@@ -203,13 +201,23 @@ class PrecursorProbe:
         logits = output[0] if isinstance(output, (tuple, list)) else output
         if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
             return
+        if logits.dim() != 3:
+            return
         with torch.no_grad():
             n = self.config.max_sequences
-            logits = logits.detach()[:n].float()
-            self._set("log_z", "output", torch.logsumexp(logits, dim=-1).mean())
+            full = logits.detach()[:n]
+            t = full.shape[1]
+            positions = self._query_positions(t, full.device)  # memory: (B, V) a position
+            picked = full[:, positions].float()
+            self._set("log_z", "output", torch.logsumexp(picked, dim=-1).mean())
             labels = self._labels
-            if labels is not None and labels.shape[:1] == output_batch(output):
-                self._accuracy = token_accuracy(logits, labels[:n], self.structure.shift_labels)
+            if labels is None or labels.shape != logits.shape[:2]:
+                return
+            if self.structure.shift_labels:  # the logits at t predict the label at t + 1
+                keep = positions < t - 1
+                picked, positions = picked[:, keep], positions[keep] + 1
+            targets = labels[:n].to(full.device)[:, positions]
+            self._accuracy = token_accuracy(picked, targets, shift=False)
 
     # -- attention -------------------------------------------------------------------------------
     def _hook_attention(self, site: AttentionSite) -> None:
@@ -415,11 +423,6 @@ def token_accuracy(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> t
     return hits.sum().float() / valid.sum().float()
 
 
-def output_batch(output: Any) -> torch.Size:
-    logits = output[0] if isinstance(output, (tuple, list)) else output
-    return logits.shape[:1]  # type: ignore[no-any-return]
-
-
 def mha_qk_weights(
     mha: nn.MultiheadAttention,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -468,10 +471,11 @@ def agree_over_ranks(
     the ranks that know theirs. Every rank gets the same figures."""
     device = precursors.device
     row = torch.cat([precursors, accuracy]).to(ranks.device, torch.float32)
-    rows = torch.empty(ranks.world_size, row.numel(), device=ranks.device)
-    dist.all_gather_into_tensor(rows, row, group=ranks.group)
-    rows = rows.to(device)
-    return reduce_rows(rows)
+    rows = torch.empty(ranks.world_size * row.numel(), device=ranks.device)
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(rows, row, group=ranks.group)
+    return reduce_rows(rows.reshape(ranks.world_size, row.numel()).to(device))
 
 
 def reduce_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
