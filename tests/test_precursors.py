@@ -549,3 +549,21 @@ def test_rotation_inside_the_attention_module_is_said_once(tmp_path: Path) -> No
         if e["kind"] == EventKind.LINT and "rotary" in e["message"]
     ]
     assert len(notes) == 1 and "before the rotation" in notes[0]
+
+
+def test_blocks_are_the_stack_that_holds_the_attention_not_a_longer_list_of_experts() -> None:
+    class MoeBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = _RotatingAttention()
+            self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(MoeBlock() for _ in range(2))
+
+    found = find_structure(Net())
+    assert [name for name, _ in found.blocks] == ["0", "1"]
+    assert all(isinstance(block, MoeBlock) for _, block in found.blocks)
+    assert [s.layer for s in found.attention] == ["0", "1"]
