@@ -31,7 +31,7 @@ def _models() -> dict[str, Any]:
 
     gpt2 = transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=SEQ, n_embd=256, n_layer=4, n_head=4,
-        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     llama = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -115,8 +115,8 @@ def main() -> None:
         "| --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows) + "\n\n"
         "The amortised figure is the sampled step's extra time spread over "
         f"{args.every} steps; the measured one is the mean step time of the every-"
-        f"{args.every} guard over the plain one's, within this machine's step-to-step noise. "
-        "Steps that are not sampled carry no hook.\n"
+        f"{args.every} guard over the plain one's, within this machine's step-to-step noise "
+        "(2 cores shared with other jobs). Steps that are not sampled carry no hook.\n"
     )
     if not args.no_write:
         write_section(
