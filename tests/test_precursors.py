@@ -168,6 +168,9 @@ def test_multihead_attention_with_causal_mask_matches_its_weights() -> None:
     with torch.no_grad():
         want = _mha_max_logit(layer, h, mask)
     assert got["max_logit"]["0"] == pytest.approx(float(want), rel=1e-5)
+    Preemption(net).rescale_qk(0, "0", 0.25)  # the packed in_proj's q and k rows, and biases
+    with torch.no_grad():
+        assert float(_mha_max_logit(layer, h, mask)) == pytest.approx(0.25 * float(want), rel=1e-5)
 
 
 def _mha_max_logit(
@@ -567,3 +570,31 @@ def test_blocks_are_the_stack_that_holds_the_attention_not_a_longer_list_of_expe
     assert [name for name, _ in found.blocks] == ["0", "1"]
     assert all(isinstance(block, MoeBlock) for _, block in found.blocks)
     assert [s.layer for s in found.attention] == ["0", "1"]
+
+
+def test_adam_eps_ratio_reads_step_counts_kept_on_the_device_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fused or capturable Adam keeps its step counts on the accelerator: they are read there
+    (no sync), to the same figures."""
+    import trainguard.signals.precursors as precursors
+
+    model = _tiny()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7)
+    for i in range(3):
+        x = _batch(seed=i)
+        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    params = list(model.parameters())
+    ratio = precursors.AdamEpsRatio(
+        opt, params, list(range(len(params))), [str(i) for i in range(len(params))]
+    )
+    host = ratio.measure(torch.device("cpu"))
+    monkeypatch.setattr(precursors, "counts_on_device", lambda steps: True)
+    device = precursors.AdamEpsRatio(
+        opt, params, list(range(len(params))), [str(i) for i in range(len(params))]
+    )
+    assert torch.allclose(device.measure(torch.device("cpu")), host, rtol=1e-5)
+    v = opt.state[params[0]]["exp_avg_sq"] / (1 - 0.999**3)
+    assert float(host[0]) == pytest.approx(float((v.mean() / 1e-14).sqrt()), rel=1e-4)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -506,13 +507,14 @@ class AdamEpsRatio:
         self.optimizer = optimizer
         self.n_groups = len(group_names)
         self.layer_group = {id(p): g for p, g in zip(params, param_groups, strict=True)}
-        self._layouts: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layouts: dict[tuple[int, ...], _AdamLayout] = {}
 
     @torch.no_grad()
     def measure(self, device: torch.device) -> torch.Tensor:
         """One value a layer group (`NOT_MEASURED` where none of its parameters has state)."""
         tensors: list[torch.Tensor] = []
-        factors: list[float] = []
+        steps: list[float | torch.Tensor] = []
+        hyper: list[tuple[float, float]] = []  # (beta2, eps) of each
         groups: list[int] = []
         state = self.optimizer.state
         for group in self.optimizer.param_groups:
@@ -522,36 +524,82 @@ class AdamEpsRatio:
                 s = state.get(p) or {}
                 v = s.get("exp_avg_sq")
                 g = self.layer_group.get(id(p))
-                if not isinstance(v, torch.Tensor) or g is None or eps <= 0:
-                    continue
-                step = float(s["step"]) if "step" in s else 0.0  # a CPU tensor: no sync
-                if step <= 0:
+                if not isinstance(v, torch.Tensor) or g is None or eps <= 0 or "step" not in s:
                     continue
                 tensors.append(v)
-                factors.append(1.0 / ((1.0 - beta2**step) * eps * eps))
+                steps.append(s["step"])
+                hyper.append((beta2, eps))
                 groups.append(g)
+        on_device = counts_on_device(steps)
+        if not on_device:  # torch's default: step counts on the host, read without a sync
+            kept = [i for i, t in enumerate(steps) if float(t) > 0]
+            tensors, steps = [tensors[i] for i in kept], [float(steps[i]) for i in kept]
+            hyper, groups = [hyper[i] for i in kept], [groups[i] for i in kept]
         out = torch.full((self.n_groups,), NOT_MEASURED, device=device)
         if not tensors:
             return out
-        index, numel = self._layout(tensors, groups, device)
+        layout = self._layout(tensors, groups, hyper, device)
         sums = list(foreach_norm(tensors, torch.float32, ord=1))  # v >= 0: the sum
-        foreach_mul_(sums, factors)
-        scaled = torch.stack([s.to(device) for s in sums])
-        totals = torch.zeros(self.n_groups, device=device).index_add_(0, index, scaled)
-        counts = torch.zeros(self.n_groups, device=device).index_add_(0, index, numel)
+        if on_device:  # a fused or capturable Adam keeps its step counts on the device
+            count = torch.stack([_on(t, device) for t in steps])
+            stepped = count > 0
+            correction = torch.where(stepped, 1 - layout.beta2 ** count.clamp(min=1), 1.0)
+            factors = torch.where(stepped, 1 / (correction * layout.eps_sq), 0.0)
+            scaled = torch.stack([x.to(device) for x in sums]) * factors
+            numel = layout.numel * stepped
+        else:  # the factors ride as kernel arguments
+            foreach_mul_(
+                sums,
+                [
+                    1.0 / ((1.0 - b2 ** float(n)) * e * e)
+                    for n, (b2, e) in zip(steps, hyper, strict=True)
+                ],
+            )
+            scaled = torch.stack([x.to(device) for x in sums])
+            numel = layout.numel
+        totals = torch.zeros(self.n_groups, device=device).index_add_(0, layout.index, scaled)
+        counts = torch.zeros(self.n_groups, device=device).index_add_(0, layout.index, numel)
         ratio = (totals / counts.clamp(min=1)).sqrt()
         return torch.where(counts > 0, ratio, out)
 
     def _layout(
-        self, tensors: list[torch.Tensor], groups: list[int], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        tensors: list[torch.Tensor],
+        groups: list[int],
+        hyper: list[tuple[float, float]],
+        device: torch.device,
+    ) -> _AdamLayout:
         key = tuple(id(t) for t in tensors)
         found = self._layouts.get(key)
         if found is None:
             self._layouts.clear()  # one layout at a time: the state's tensors rarely change
-            found = (
-                torch.tensor(groups, device=device),
-                torch.tensor([float(t.numel()) for t in tensors], device=device),
+            found = _AdamLayout(
+                index=torch.tensor(groups, device=device),
+                numel=torch.tensor([float(t.numel()) for t in tensors], device=device),
+                beta2=torch.tensor([b for b, _ in hyper], device=device),
+                eps_sq=torch.tensor([e * e for _, e in hyper], device=device),
             )
             self._layouts[key] = found
         return found
+
+
+@dataclass
+class _AdamLayout:
+    """Per state tensor, built once: its layer group, size, beta2 and eps squared."""
+
+    index: torch.Tensor
+    numel: torch.Tensor
+    beta2: torch.Tensor
+    eps_sq: torch.Tensor
+
+
+def counts_on_device(steps: list[float | torch.Tensor]) -> bool:
+    """Whether an optimizer keeps step counts on an accelerator (fused or capturable Adam)."""
+    return any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in steps)
+
+
+def _on(count: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A step count as a float32 scalar on `device` (a host number filled in there: no copy)."""
+    if isinstance(count, torch.Tensor):
+        return count.detach().reshape(()).to(device, torch.float32)
+    return torch.full((), float(count), device=device)
