@@ -203,14 +203,20 @@ def _attention_site(path: str, module: nn.Module, config: object) -> AttentionSi
 
 def _projection(module: nn.Module | None) -> bool:
     weight = getattr(module, "weight", None)
-    return isinstance(weight, torch.Tensor) and weight.dim() == 2
+    return isinstance(weight, torch.Tensor) and len(_shape(weight)) == 2
+
+
+def _shape(weight: torch.Tensor) -> tuple[int, ...]:
+    """A weight's full shape, also where DeepSpeed ZeRO-3 partitioned it (`ds_shape`)."""
+    return tuple(getattr(weight, "ds_shape", None) or weight.shape)
 
 
 def out_features(module: nn.Module, transposed: bool = False) -> int:
     """The output width of a projection (nn.Linear, or GPT-2's Conv1D when `transposed`)."""
     weight = module.weight
     assert isinstance(weight, torch.Tensor)
-    return int(weight.shape[1] if transposed else weight.shape[0])
+    shape = _shape(weight)
+    return int(shape[1] if transposed else shape[0])
 
 
 def _is_conv1d(module: nn.Module) -> bool:
