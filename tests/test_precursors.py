@@ -168,6 +168,9 @@ def test_multihead_attention_with_causal_mask_matches_its_weights() -> None:
     with torch.no_grad():
         want = _mha_max_logit(layer, h, mask)
     assert got["max_logit"]["0"] == pytest.approx(float(want), rel=1e-5)
+    Preemption(net).rescale_qk(0, "0", 0.25)  # the packed in_proj's q and k rows, and biases
+    with torch.no_grad():
+        assert float(_mha_max_logit(layer, h, mask)) == pytest.approx(0.25 * float(want), rel=1e-5)
 
 
 def _mha_max_logit(
@@ -321,7 +324,7 @@ def test_a_model_without_attention_is_measured_where_it_can_and_said_once(
         if e["kind"] == EventKind.LINT and "precursors" in e["message"]
     ]
     assert len(notes) == 1 and notes[0]["severity"] == "info"
-    assert "no attention layer" in notes[0]["message"]
+    assert "an attention layer" in notes[0]["message"]
 
 
 def test_config_section_is_validated() -> None:
@@ -409,3 +412,189 @@ def test_preemption_state_round_trips_through_the_guard_state(tmp_path: Path) ->
     fresh.load_state_dict(state)
     assert fresh.preemption.z_loss_weight is None and not fresh_model.head._forward_hooks
     fresh.close()
+
+
+def test_analyze_reads_the_precursors_and_token_accuracy_of_a_guarded_run(tmp_path: Path) -> None:
+    from trainguard.analysis.logs import read_log
+
+    model = _tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = tg.Guard(model, opt, config=_config(every=2), run_dir=tmp_path)
+    live = [d.metrics for d in _train(guard, model, 5, token_accuracy=0.5)]
+    guard.close()
+    series = read_log(tmp_path).series()
+    points = [series.point(i) for i in range(len(series))]
+    assert [p.step for p in points] == [0, 1, 2, 3, 4]
+    for point, record in zip(points, live, strict=True):
+        assert point.token_accuracy == 0.5
+        assert point.precursors == record.get("precursors")
+    assert [p.precursors is not None for p in points] == [True, False, True, False, True]
+
+
+def _packed_after_extra(m: Any) -> None:
+    m.extra = torch.tensor([7.0, 8.0])
+    m.precursors = torch.tensor([1.5, NOT_MEASURED, math.nan])
+    m.precursor_names = [("max_logit", "0"), ("max_logit", "1"), ("block_rms", "0")]
+    m.token_accuracy = torch.tensor([0.25])
+
+
+def test_both_resolvers_read_extra_then_precursors_then_token_accuracy() -> None:
+    from trainguard.signals.gradients import GradientStats
+
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(
+        [{"params": [model.weight], "lr": torch.tensor(0.1)}, {"params": [model.bias], "lr": 0.2}]
+    )
+    model(torch.ones(1, 3)).sum().backward()
+    stats = GradientStats(model, opt, [r"^(?P<group>[^.]+)"])
+    m = stats.measure(torch.tensor(1.0), opt)
+    _packed_after_extra(m)
+    signals = stats.resolve(m)
+    assert signals.lrs == pytest.approx([0.1, 0.2]) and signals.extra == [7.0, 8.0]
+    assert signals.token_accuracy == 0.25
+    assert signals.precursors is not None
+    assert signals.precursors["max_logit"] == {"0": 1.5}  # "1" was not measured
+    assert math.isnan(signals.precursors["block_rms"]["0"])  # a NaN measured stays
+
+
+def test_the_deepspeed_resolver_reads_them_after_extra_too() -> None:
+    pytest.importorskip("deepspeed")
+    from trainguard.integrations.deepspeed import ZeroGradients
+    from trainguard.signals.gradients import Measurement
+
+    zero = ZeroGradients.__new__(ZeroGradients)  # resolve reads the engine only on a NaN step
+    m = Measurement(
+        total_norm=torch.tensor(2.0),
+        head=torch.tensor([1.0, 2.0, 0.0, 0.0, 0.0]),
+        first=torch.zeros(0),
+        group_norms=torch.tensor([2.0]),
+        tail=[],
+        present=None,
+        n_first=0,
+        lrs=[0.1],
+        has_scaler=False,
+        pending_step=None,
+    )
+    _packed_after_extra(m)
+    signals = zero.resolve(m)
+    assert signals.extra == [7.0, 8.0] and signals.token_accuracy == 0.25
+    assert signals.precursors is not None and signals.precursors["max_logit"] == {"0": 1.5}
+
+
+def test_observe_takes_precursors_of_your_own(tmp_path: Path) -> None:
+    with tg.Monitor(GuardConfig(console=False), run_dir=tmp_path) as monitor:
+        d = monitor.observe(0, loss=1.0, precursors={"max_logit": {"0": 12}})
+        assert d.metrics["precursors"] == {"max_logit": {"0": 12.0}}
+        with pytest.raises(TrainguardError, match=r"observe\(precursors=\.\.\.\) takes"):
+            monitor.observe(1, loss=1.0, precursors={"max_logit": 3.0})  # type: ignore[dict-item]
+    assert read_jsonl(tmp_path / "metrics.jsonl")[0]["precursors"] == {"max_logit": {"0": 12.0}}
+
+
+class _Rotary(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t, half = x.shape[1], x.shape[-1] // 2
+        angle = torch.arange(t, dtype=x.dtype)[:, None, None] * 0.3
+        a, b = x[..., :half], x[..., half:]
+        return torch.cat([a * angle.cos() - b * angle.sin(), a * angle.sin() + b * angle.cos()], -1)
+
+
+class _RotatingAttention(nn.Module):
+    """Llama-like projections, rotating q and k itself (no `position_embeddings` argument)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = 2, 8
+        self.q_proj, self.k_proj = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.v_proj, self.o_proj = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.rotary = _Rotary()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, 2, 8) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = self.rotary(q), self.rotary(k)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        out: torch.Tensor = self.o_proj(y.transpose(1, 2).reshape(b, t, 16))
+        return out
+
+
+def test_rotation_inside_the_attention_module_is_said_once(tmp_path: Path) -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(30, 16)
+            self.layers = nn.ModuleList(_RotatingAttention() for _ in range(2))
+            self.lm_head = nn.Linear(16, 30)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            for layer in self.layers:
+                h = h + layer(h)
+            out: torch.Tensor = self.lm_head(h)
+            return out
+
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    guard = tg.Guard(net, opt, config=_config(every=1), run_dir=tmp_path)
+    for i in range(3):
+        x = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(i))
+        loss = F.cross_entropy(net(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        d = guard.step(loss)
+        opt.zero_grad()
+    guard.close()
+    assert set(d.metrics["precursors"]["max_logit"]) == {"0", "1"}
+    notes = [
+        e["message"]
+        for e in read_jsonl(tmp_path / "events.jsonl")
+        if e["kind"] == EventKind.LINT and "rotary" in e["message"]
+    ]
+    assert len(notes) == 1 and "before the rotation" in notes[0]
+
+
+def test_blocks_are_the_stack_that_holds_the_attention_not_a_longer_list_of_experts() -> None:
+    class MoeBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = _RotatingAttention()
+            self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(MoeBlock() for _ in range(2))
+
+    found = find_structure(Net())
+    assert [name for name, _ in found.blocks] == ["0", "1"]
+    assert all(isinstance(block, MoeBlock) for _, block in found.blocks)
+    assert [s.layer for s in found.attention] == ["0", "1"]
+
+
+def test_adam_eps_ratio_reads_step_counts_kept_on_the_device_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fused or capturable Adam keeps its step counts on the accelerator: they are read there
+    (no sync), to the same figures."""
+    import trainguard.signals.precursors as precursors
+
+    model = _tiny()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7)
+    for i in range(3):
+        x = _batch(seed=i)
+        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    params = list(model.parameters())
+    ratio = precursors.AdamEpsRatio(
+        opt, params, list(range(len(params))), [str(i) for i in range(len(params))]
+    )
+    host = ratio.measure(torch.device("cpu"))
+    monkeypatch.setattr(precursors, "counts_on_device", lambda steps: True)
+    device = precursors.AdamEpsRatio(
+        opt, params, list(range(len(params))), [str(i) for i in range(len(params))]
+    )
+    assert torch.allclose(device.measure(torch.device("cpu")), host, rtol=1e-5)
+    v = opt.state[params[0]]["exp_avg_sq"] / (1 - 0.999**3)
+    assert float(host[0]) == pytest.approx(float((v.mean() / 1e-14).sqrt()), rel=1e-4)

@@ -14,7 +14,14 @@ from trainguard.config import GuardConfig
 from trainguard.detectors import DetectorSuite, MetricPoint
 from trainguard.distributed import RankContext
 from trainguard.enrichment import EventEnricher
-from trainguard.events import Decision, Event, EventKind, TrainingHalted, check_kind
+from trainguard.events import (
+    Decision,
+    Event,
+    EventKind,
+    TrainguardError,
+    TrainingHalted,
+    check_kind,
+)
 from trainguard.policy import StepPolicy
 from trainguard.recorder import Recorder
 from trainguard.signals.gradients import StepSignals
@@ -70,11 +77,13 @@ class Monitor:
         group_grad_norms: dict[str, float] | None = None,
         batch_ids: Iterable[Any] | None = None,
         token_accuracy: torch.Tensor | float | None = None,
+        precursors: dict[str, dict[str, float]] | None = None,
     ) -> Decision:
         """Feed the detectors from plain numbers without touching a model; the decision is
         advisory: nothing is stepped or skipped, and a halt is logged and returned.
         `token_accuracy` is the share of tokens whose argmax is the target (a tensor is read
-        here: one host transfer)."""
+        here: one host transfer); `precursors` (signal -> layer -> value, as `MetricPoint` has
+        them) are measured ones of your own."""
         point = MetricPoint(
             step=int(step),
             loss=float(loss),
@@ -83,6 +92,7 @@ class Monitor:
             loss_scale=None if loss_scale is None else float(loss_scale),
             group_grad_norms=group_grad_norms,
             token_accuracy=None if token_accuracy is None else float(token_accuracy),
+            precursors=_precursors(precursors),
         )
         decision, events = self._decide(point, batch_ids)
         decision = self._finish(point, decision, events, None)
@@ -223,3 +233,19 @@ class Monitor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _precursors(given: dict[str, dict[str, float]] | None) -> dict[str, dict[str, float]] | None:
+    """Precursors passed to `observe`, as plain floats (a one-line error where malformed)."""
+    if given is None:
+        return None
+    try:
+        return {
+            str(signal): {str(layer): float(v) for layer, v in layers.items()}
+            for signal, layers in given.items()
+        }
+    except (AttributeError, TypeError, ValueError):
+        raise TrainguardError(
+            "observe(precursors=...) takes {signal: {layer: number}}, such as "
+            "{'max_logit': {'0': 12.5}}"
+        ) from None

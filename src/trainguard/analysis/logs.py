@@ -27,7 +27,7 @@ from trainguard.events import TrainguardError
 if TYPE_CHECKING:
     from trainguard.analysis.formats import LogFormat, ReadOptions
 
-OPTIONAL = ("grad_norm", "lr", "loss_scale")
+OPTIONAL = ("grad_norm", "lr", "loss_scale", "token_accuracy")
 MAX_WARNED_ROWS = 10
 USE_PANDAS = True  # parse clean blocks with pandas when it is installed
 BLOCK_BYTES = 1 << 24  # bytes parsed at once; a block with a bad row is parsed row by row
@@ -46,6 +46,7 @@ TB_TAGS = {  # TensorBoard tags tried in order when none is named
     "grad_norm": ("grad_norm", "train/grad_norm", "gradient_norm", "train/gradient_norm"),
     "lr": ("lr", "learning_rate", "train/learning_rate", "train/lr", "lr-AdamW", "lr-Adam"),
     "loss_scale": ("loss_scale", "train/loss_scale"),
+    "token_accuracy": ("token_accuracy", "train/token_accuracy", "train/mean_token_accuracy"),
 }
 
 
@@ -65,8 +66,8 @@ class LogData:
     evals: dict[str, np.ndarray] = field(default_factory=dict)  # "step", "loss": evaluations
     format: str = ""  # the format it was read as
     run: str | None = None  # the run's name, in a file that holds several
-    # a guarded run's sampled precursors by step (metrics.jsonl's "precursors")
-    precursors: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
+    # a guarded run's precursors (metrics.jsonl's `precursors`), one entry a step (None: none)
+    precursors: list[dict[str, dict[str, float]] | None] | None = None
 
     def series(self) -> MetricSeries:
         """The columns as the detectors read them (NaN marks a missing value)."""
@@ -76,11 +77,8 @@ class LogData:
             grad_norm=self.extra.get("grad_norm"),
             lr=self.extra.get("lr"),
             loss_scale=self.extra.get("loss_scale"),
-            precursors=(
-                [self.precursors.get(int(step)) for step in self.steps.tolist()]
-                if self.precursors
-                else None
-            ),
+            token_accuracy=self.extra.get("token_accuracy"),
+            precursors=self.precursors,
         )
 
 
@@ -284,8 +282,6 @@ def read_runs(
             from trainguard.analysis.run import recorded_events
 
             runs[0].recorded = recorded_events(p.parent / "events.jsonl", runs[0].warnings)
-        if p.name == "metrics.jsonl" and runs:
-            runs[0].precursors = precursor_samples(p)
         return _chosen_run(p, runs, run)
     except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
         raise _damaged_gzip(p, exc) from None
@@ -645,32 +641,6 @@ def _keep(cells: Mapping[str, object], cols: dict[str, array[float]]) -> bool:
     return True
 
 
-def precursor_samples(p: Path) -> dict[int, dict[str, dict[str, float]]]:
-    """The sampled steps' precursors of a guarded run's metrics.jsonl, by step (the last row of
-    a step wins, as for the loss); rows without them, or malformed, are passed over."""
-    found: dict[int, dict[str, dict[str, float]]] = {}
-    with open_text(p) as f:
-        for line in f:
-            if '"precursors"' not in line:
-                continue
-            record = json_object(line)
-            if record is None:
-                continue
-            step, sampled = record.get("step"), record.get("precursors")
-            if not isinstance(step, int) or not isinstance(sampled, dict):
-                continue
-            found[step] = {
-                str(signal): {
-                    str(layer): float(v)
-                    for layer, v in layers.items()
-                    if isinstance(v, (int, float)) and not isinstance(v, bool)
-                }
-                for signal, layers in sampled.items()
-                if isinstance(layers, dict)
-            }
-    return found
-
-
 def jsonl(
     p: Path,
     options: ReadOptions,
@@ -686,6 +656,7 @@ def jsonl(
     names = names_for(seen, options)
     out = _Columns()
     cols: dict[str, array[float]] = {k: array("d") for k in names}
+    precursors: dict[int, Any] = {}  # step -> its last row's precursors, where any row had some
     lineno, line = 0, ""
     with open_text(p) as f:
         for lineno, line in enumerate(f, 1):
@@ -700,13 +671,35 @@ def jsonl(
             cells = {key: record.get(name) for key, name in names.items()}
             if not _keep(cells, cols):
                 out.skip(lineno)
+            else:
+                _note_precursors(record, cols["step"][-1], precursors)
     if line and not line.endswith("\n"):
         out.unfinished = lineno
     for key in ("step", "loss"):
         if names[key] not in seen:
             raise _missing(p, names[key], seen)
     out.add({k: np.frombuffer(v, dtype=np.float64) for k, v in cols.items() if len(v)})
-    return out.finish(p)
+    data = out.finish(p)
+    if precursors:
+        data.precursors = [precursors.get(int(s)) for s in data.steps]
+    return data
+
+
+def _note_precursors(record: dict[str, Any], step: float, found: dict[int, Any]) -> None:
+    """Keep a row's `precursors` (signal -> layer -> number) by its step; a later row of a step
+    replaces an earlier one's, as the final timeline keeps the last row of each step."""
+    value = record.get("precursors")
+    key = int(step)
+    if isinstance(value, dict):
+        found[key] = {
+            str(signal): {
+                str(layer): v for layer, x in layers.items() if (v := number(x)) is not None
+            }
+            for signal, layers in value.items()
+            if isinstance(layers, dict)
+        }
+    elif key in found:
+        found[key] = None
 
 
 def _tensorboard(p: Path, tag: str | None) -> LogData:

@@ -90,9 +90,6 @@ def find_structure(model: nn.Module) -> ModelStructure:
     """The attention layers, blocks and output head of `model`, found by structure."""
     model = unwrap(model)
     found = ModelStructure()
-    found.blocks = _blocks(model)
-    block_paths = {id(block): name for name, block in found.blocks}
-    prefixes = [(path, name) for path, name in _block_paths(model, block_paths)]
     config = getattr(model, "config", None)
     unsized: list[str] = []
     for path, module in model.named_modules():
@@ -102,37 +99,48 @@ def find_structure(model: nn.Module) -> ModelStructure:
         if isinstance(site, str):
             unsized.append(site)
             continue
-        site.layer = _layer_of(path, prefixes)
         found.attention.append(site)
+    found.blocks = _blocks(model, [s.path for s in found.attention])
+    block_paths = {id(block): name for name, block in found.blocks}
+    prefixes = _block_paths(model, block_paths)
+    for site in found.attention:
+        site.layer = _layer_of(site.path, prefixes)
     _unique_layers(found.attention)
     found.head = _output_head(model)
     found.shift_labels = _is_causal_lm(model)
     found.uses_rope = _uses_rope(model)
     if not found.attention:
         found.missing.append(
-            "no attention layer (q/k projections, fused qkv, nn.MultiheadAttention)"
+            "an attention layer (q/k projections, fused qkv, nn.MultiheadAttention)"
             + (f"; heads unknown in {', '.join(unsized)}" if unsized else "")
         )
     elif unsized:
         found.missing.append(f"the head count of {', '.join(unsized)}")
     if not found.blocks:
-        found.missing.append("no blocks (a ModuleList of one class)")
+        found.missing.append("blocks (a ModuleList of one class)")
     if found.head is None:
-        found.missing.append("no output head (get_output_embeddings or a vocab-wide Linear)")
+        found.missing.append("an output head (get_output_embeddings, a vocab-wide Linear)")
     return found
 
 
 # -- blocks and layer names ---------------------------------------------------------------------
 
 
-def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The children of the largest ModuleList whose children are all of one class."""
-    best: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best):
-            children = list(module)
-            if len({type(c) for c in children}) == 1:
-                best = children
+def _blocks(model: nn.Module, attention: list[str]) -> list[tuple[str, nn.Module]]:
+    """The children of the largest ModuleList whose children are all of one class, among those
+    that hold attention layers where any does (a MoE layer's list of experts is no stack)."""
+    lists = [
+        (path, list(m))
+        for path, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1
+    ]
+    holding = [
+        (path, children)
+        for path, children in lists
+        if any(a == path or a.startswith(path + ".") for a in attention)
+    ]
+    candidates = holding or lists
+    best = max(candidates, key=lambda pc: len(pc[1]), default=("", []))[1]
     return [(str(i), block) for i, block in enumerate(best)]
 
 
@@ -195,14 +203,20 @@ def _attention_site(path: str, module: nn.Module, config: object) -> AttentionSi
 
 def _projection(module: nn.Module | None) -> bool:
     weight = getattr(module, "weight", None)
-    return isinstance(weight, torch.Tensor) and weight.dim() == 2
+    return isinstance(weight, torch.Tensor) and len(_shape(weight)) == 2
+
+
+def _shape(weight: torch.Tensor) -> tuple[int, ...]:
+    """A weight's full shape, also where DeepSpeed ZeRO-3 partitioned it (`ds_shape`)."""
+    return tuple(getattr(weight, "ds_shape", None) or weight.shape)
 
 
 def out_features(module: nn.Module, transposed: bool = False) -> int:
     """The output width of a projection (nn.Linear, or GPT-2's Conv1D when `transposed`)."""
     weight = module.weight
     assert isinstance(weight, torch.Tensor)
-    return int(weight.shape[1] if transposed else weight.shape[0])
+    shape = _shape(weight)
+    return int(shape[1] if transposed else shape[0])
 
 
 def _is_conv1d(module: nn.Module) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,7 +74,7 @@ class PrecursorProbe:
         if self._adam is not None:
             self.names += [("adam_eps_ratio", g) for g in group_names]
         elif config.adam_eps_ratio and optimizer is not None:
-            s.missing.append("Adam's state (exp_avg_sq, betas, eps): no adam_eps_ratio")
+            s.missing.append("an Adam-like optimizer (betas, eps, exp_avg_sq)")
         self._slot = {name: i for i, name in enumerate(self.names)}
         self._handles: list[RemovableHandle] = []
         self._armed: int | None = None  # the sampled step whose forward the hooks wait for
@@ -90,15 +91,13 @@ class PrecursorProbe:
         """One line on what the probe could not find in the model (None: it found it all)."""
         if not self.structure.missing:
             return None
-        return (
-            "precursors: could not find "
-            + "; ".join(self.structure.missing)
-            + ". The rest is measured."
-        )
+        rest = "the rest is measured" if self.names else "nothing is measured"
+        return f"precursors: could not find {'; '.join(self.structure.missing)}: {rest}"
 
     # -- sampling --------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        return self.config.enabled and step % self.config.every == 0
+        """Whether `step` is sampled (never where the model offers nothing to measure)."""
+        return self.config.enabled and bool(self.names) and step % self.config.every == 0
 
     def arm(self, step: int) -> None:
         """Hook the next training forward when `step` is a sampled one (else nothing)."""
@@ -203,13 +202,23 @@ class PrecursorProbe:
         logits = output[0] if isinstance(output, (tuple, list)) else output
         if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
             return
+        if logits.dim() != 3:
+            return
         with torch.no_grad():
             n = self.config.max_sequences
-            logits = logits.detach()[:n].float()
-            self._set("log_z", "output", torch.logsumexp(logits, dim=-1).mean())
+            full = logits.detach()[:n]
+            t = full.shape[1]
+            positions = self._query_positions(t, full.device)  # memory: (B, V) a position
+            picked = full[:, positions].float()
+            self._set("log_z", "output", torch.logsumexp(picked, dim=-1).mean())
             labels = self._labels
-            if labels is not None and labels.shape[:1] == output_batch(output):
-                self._accuracy = token_accuracy(logits, labels[:n], self.structure.shift_labels)
+            if labels is None or labels.shape != logits.shape[:2]:
+                return
+            if self.structure.shift_labels:  # the logits at t predict the label at t + 1
+                keep = positions < t - 1
+                picked, positions = picked[:, keep], positions[keep] + 1
+            targets = labels[:n].to(full.device)[:, positions]
+            self._accuracy = token_accuracy(picked, targets, shift=False)
 
     # -- attention -------------------------------------------------------------------------------
     def _hook_attention(self, site: AttentionSite) -> None:
@@ -415,11 +424,6 @@ def token_accuracy(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> t
     return hits.sum().float() / valid.sum().float()
 
 
-def output_batch(output: Any) -> torch.Size:
-    logits = output[0] if isinstance(output, (tuple, list)) else output
-    return logits.shape[:1]  # type: ignore[no-any-return]
-
-
 def mha_qk_weights(
     mha: nn.MultiheadAttention,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -468,10 +472,11 @@ def agree_over_ranks(
     the ranks that know theirs. Every rank gets the same figures."""
     device = precursors.device
     row = torch.cat([precursors, accuracy]).to(ranks.device, torch.float32)
-    rows = torch.empty(ranks.world_size, row.numel(), device=ranks.device)
-    dist.all_gather_into_tensor(rows, row, group=ranks.group)
-    rows = rows.to(device)
-    return reduce_rows(rows)
+    rows = torch.empty(ranks.world_size * row.numel(), device=ranks.device)
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(rows, row, group=ranks.group)
+    return reduce_rows(rows.reshape(ranks.world_size, row.numel()).to(device))
 
 
 def reduce_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -502,13 +507,14 @@ class AdamEpsRatio:
         self.optimizer = optimizer
         self.n_groups = len(group_names)
         self.layer_group = {id(p): g for p, g in zip(params, param_groups, strict=True)}
-        self._layouts: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layouts: dict[tuple[int, ...], _AdamLayout] = {}
 
     @torch.no_grad()
     def measure(self, device: torch.device) -> torch.Tensor:
         """One value a layer group (`NOT_MEASURED` where none of its parameters has state)."""
         tensors: list[torch.Tensor] = []
-        factors: list[float] = []
+        steps: list[float | torch.Tensor] = []
+        hyper: list[tuple[float, float]] = []  # (beta2, eps) of each
         groups: list[int] = []
         state = self.optimizer.state
         for group in self.optimizer.param_groups:
@@ -518,36 +524,82 @@ class AdamEpsRatio:
                 s = state.get(p) or {}
                 v = s.get("exp_avg_sq")
                 g = self.layer_group.get(id(p))
-                if not isinstance(v, torch.Tensor) or g is None or eps <= 0:
-                    continue
-                step = float(s["step"]) if "step" in s else 0.0  # a CPU tensor: no sync
-                if step <= 0:
+                if not isinstance(v, torch.Tensor) or g is None or eps <= 0 or "step" not in s:
                     continue
                 tensors.append(v)
-                factors.append(1.0 / ((1.0 - beta2**step) * eps * eps))
+                steps.append(s["step"])
+                hyper.append((beta2, eps))
                 groups.append(g)
+        on_device = counts_on_device(steps)
+        if not on_device:  # torch's default: step counts on the host, read without a sync
+            kept = [i for i, t in enumerate(steps) if float(t) > 0]
+            tensors, steps = [tensors[i] for i in kept], [float(steps[i]) for i in kept]
+            hyper, groups = [hyper[i] for i in kept], [groups[i] for i in kept]
         out = torch.full((self.n_groups,), NOT_MEASURED, device=device)
         if not tensors:
             return out
-        index, numel = self._layout(tensors, groups, device)
+        layout = self._layout(tensors, groups, hyper, device)
         sums = list(foreach_norm(tensors, torch.float32, ord=1))  # v >= 0: the sum
-        foreach_mul_(sums, factors)
-        scaled = torch.stack([s.to(device) for s in sums])
-        totals = torch.zeros(self.n_groups, device=device).index_add_(0, index, scaled)
-        counts = torch.zeros(self.n_groups, device=device).index_add_(0, index, numel)
+        if on_device:  # a fused or capturable Adam keeps its step counts on the device
+            count = torch.stack([_on(t, device) for t in steps])
+            stepped = count > 0
+            correction = torch.where(stepped, 1 - layout.beta2 ** count.clamp(min=1), 1.0)
+            factors = torch.where(stepped, 1 / (correction * layout.eps_sq), 0.0)
+            scaled = torch.stack([x.to(device) for x in sums]) * factors
+            numel = layout.numel * stepped
+        else:  # the factors ride as kernel arguments
+            foreach_mul_(
+                sums,
+                [
+                    1.0 / ((1.0 - b2 ** float(n)) * e * e)
+                    for n, (b2, e) in zip(steps, hyper, strict=True)
+                ],
+            )
+            scaled = torch.stack([x.to(device) for x in sums])
+            numel = layout.numel
+        totals = torch.zeros(self.n_groups, device=device).index_add_(0, layout.index, scaled)
+        counts = torch.zeros(self.n_groups, device=device).index_add_(0, layout.index, numel)
         ratio = (totals / counts.clamp(min=1)).sqrt()
         return torch.where(counts > 0, ratio, out)
 
     def _layout(
-        self, tensors: list[torch.Tensor], groups: list[int], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        tensors: list[torch.Tensor],
+        groups: list[int],
+        hyper: list[tuple[float, float]],
+        device: torch.device,
+    ) -> _AdamLayout:
         key = tuple(id(t) for t in tensors)
         found = self._layouts.get(key)
         if found is None:
             self._layouts.clear()  # one layout at a time: the state's tensors rarely change
-            found = (
-                torch.tensor(groups, device=device),
-                torch.tensor([float(t.numel()) for t in tensors], device=device),
+            found = _AdamLayout(
+                index=torch.tensor(groups, device=device),
+                numel=torch.tensor([float(t.numel()) for t in tensors], device=device),
+                beta2=torch.tensor([b for b, _ in hyper], device=device),
+                eps_sq=torch.tensor([e * e for _, e in hyper], device=device),
             )
             self._layouts[key] = found
         return found
+
+
+@dataclass
+class _AdamLayout:
+    """Per state tensor, built once: its layer group, size, beta2 and eps squared."""
+
+    index: torch.Tensor
+    numel: torch.Tensor
+    beta2: torch.Tensor
+    eps_sq: torch.Tensor
+
+
+def counts_on_device(steps: list[float | torch.Tensor]) -> bool:
+    """Whether an optimizer keeps step counts on an accelerator (fused or capturable Adam)."""
+    return any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in steps)
+
+
+def _on(count: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A step count as a float32 scalar on `device` (a host number filled in there: no copy)."""
+    if isinstance(count, torch.Tensor):
+        return count.detach().reshape(()).to(device, torch.float32)
+    return torch.full((), float(count), device=device)
