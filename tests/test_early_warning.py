@@ -17,6 +17,8 @@ from pydantic import ValidationError
 from torch import nn
 
 import trainguard as tg
+from trainguard.actions.optimizer_step import OptimizerActions
+from trainguard.actions.preemptive import PreemptiveActions
 from trainguard.analysis.analyzer import analyze
 from trainguard.analysis.logs import read_log
 from trainguard.config import PrecursorWarningConfig, PreemptConfig
@@ -25,7 +27,7 @@ from trainguard.detectors.base import MetricPoint
 from trainguard.detectors.precursors import PrecursorWarningDetector, theil_sen
 from trainguard.detectors.series import MetricSeries
 from trainguard.detectors.suite import DetectorSuite
-from trainguard.events import Event
+from trainguard.events import Decision, Event, PreemptCall, TrainguardError
 from trainguard.policy import StepPolicy
 
 EVERY = 50  # steps between sampled steps, the probe's default
@@ -333,3 +335,31 @@ def test_analyze_reads_the_precursors_of_a_guarded_runs_log(tmp_path: Path) -> N
     assert data.precursors is not None and sum(p is not None for p in data.precursors) == 45
     found = [e for e in analyze(data).events if e.kind == "precursor"]
     assert len(found) == 1 and found[0].metrics["layer"] == "0"
+
+
+class _NoLayers:
+    """A preemption whose model has no such layer and no head."""
+
+    def rescale_qk(self, step: int, layer: str, factor: float) -> Event:
+        raise TrainguardError(f"rescale_qk: no attention layer {layer!r}")
+
+    def enable_z_loss(self, step: int, weight: float) -> Event:
+        raise TrainguardError("z-loss needs the model's output head")
+
+
+def test_preemptive_actions_that_cannot_be_taken_say_so_and_raise_nothing() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = [
+        PreemptCall("lr_cut", "0", "max_logit", 40.0, 0.5, 7),
+        PreemptCall("qk_rescale", "9", "max_logit", 40.0, 0.4, 7),
+        PreemptCall("z_loss", "output", "log_z", 12.0, None, 7),
+    ]
+    decision = Decision(step=7, action="step", preempt=calls)
+    events = PreemptiveActions(OptimizerActions(opt), _NoLayers(), 1e-4).apply(decision)
+    assert [e.kind for e in events] == ["preemption"] * 3
+    assert opt.param_groups[0]["lr"] == 0.05 and events[0].metrics["lr_scale"] == 0.5
+    assert [e.metrics.get("taken", True) for e in events] == [True, False, False]
+    assert "no attention layer" in events[1].message and "output head" in events[2].message
+    bare = PreemptiveActions(None, None, 1e-4).apply(decision)
+    assert all(e.metrics["taken"] is False for e in bare)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from trainguard.actions.optimizer_step import OptimizerActions
-from trainguard.events import Decision, Event, EventKind, PreemptCall
+from trainguard.events import Decision, Event, EventKind, PreemptCall, TrainguardError
 
 
 class QkAndZLoss(Protocol):
@@ -55,17 +55,31 @@ class PreemptiveActions:
                 },
                 action="step",
             )
-        if call.action == "qk_rescale" and self.preemption is not None and call.factor:
-            return self.preemption.rescale_qk(step, call.layer, call.factor)
-        if call.action == "z_loss" and self.preemption is not None:
-            return self.preemption.enable_z_loss(step, self.z_loss_weight)
-        return Event(
-            step=step,
-            kind=EventKind.PREEMPTION,
-            severity="warning",
-            message=f"preemptive {call.action} {why} not taken: the guard has no "
-            + ("optimizer" if call.action == "lr_cut" else "attention or output layer")
-            + " to act on",
-            metrics={"action": call.action, "layer": call.layer, "signal": call.signal},
-            action="step",
+        try:
+            if call.action == "qk_rescale" and self.preemption is not None and call.factor:
+                return self.preemption.rescale_qk(step, call.layer, call.factor)
+            if call.action == "z_loss" and self.preemption is not None:
+                return self.preemption.enable_z_loss(step, self.z_loss_weight)
+        except TrainguardError as exc:  # a layer or head it cannot find: said, not raised
+            return _not_taken(step, call, why, str(exc))
+        return _not_taken(
+            step,
+            call,
+            why,
+            "this guard cannot cut the LR (no optimizer)"
+            if call.action == "lr_cut"
+            else "this guard cannot rescale or hook the model's layers (a DeepSpeed engine's "
+            "master weights would undo it)",
         )
+
+
+def _not_taken(step: int, call: PreemptCall, why: str, reason: str) -> Event:
+    """The event of a preemptive action that could not be taken, and why."""
+    return Event(
+        step=step,
+        kind=EventKind.PREEMPTION,
+        severity="warning",
+        message=f"preemptive {call.action} {why} not taken: {reason}",
+        metrics={"action": call.action, "layer": call.layer, "signal": call.signal, "taken": False},
+        action="step",
+    )

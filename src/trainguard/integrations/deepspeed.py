@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from trainguard._torch_private import foreach_norm
 from trainguard.actions.optimizer_step import OptimizerActions
+from trainguard.actions.preemptive import PreemptiveActions
 from trainguard.actions.replicas import ReplicaResync
 from trainguard.actions.snapshots import rng_from_plain, rng_state, rng_to_plain, set_rng_state
 from trainguard.actions.user_actions import ActionTarget, build_actions, run_actions
@@ -341,6 +342,8 @@ class DeepSpeedGuard(Guard):
         self.probe = None
         self._start_probe(engine.module, None, None)  # no Adam ratio: ZeRO flattens the state
         self.preemption = None  # the engine's master weights would undo a rescale
+        # preemptive LR cuts through the engine's actions; no rescale or z-loss (no preemption)
+        self.preemptive = PreemptiveActions(actions, None, cfg.precursors.preempt.z_loss_weight)
 
     def step(
         self,
@@ -407,6 +410,8 @@ class DeepSpeedGuard(Guard):
         if decision.action == "step":
             actions.step(signals.loss)
             events += self._publish(self.recovery.cut_lr(decision))
+            if self.preemptive is not None:
+                events += self._publish(self.preemptive.apply(decision))
             self.recovery.maybe_snapshot(self.global_step)
             self._maybe_checkpoint(checkpoint_due)
         else:
