@@ -50,6 +50,7 @@ LEAD_AHEAD = 20
 VARIANTS: dict[str, dict[str, Any]] = {
     "qk_rescale": {"actions": ["qk_rescale"]},
     "qk_rescale+lr_cut": {"actions": ["qk_rescale", "lr_cut"], "lr_factor": 0.7},
+    "qk_rescale+lr_cut 0.3": {"actions": ["qk_rescale", "lr_cut"], "lr_factor": 0.3},
 }
 LOSS_KINDS = ("loss_spike", "divergence", "grad_explosion", "grad_spike", "oscillation", "stall")
 
