@@ -131,7 +131,11 @@ def test_subsampled_queries_and_sequences_bound_the_full_figures() -> None:
     for layer in ("0", "1"):  # 4 of 16 queries of 2 of 6 sequences: at most the full figure
         assert got["max_logit"][layer] <= want_sub[int(layer)] + 1e-6
         assert got["max_logit"][layer] <= want_max[int(layer)] + 1e-6
-    assert probe._query_positions(16, torch.device("cpu")).tolist()[-1] == 15
+    cpu = torch.device("cpu")
+    for t, cap in ((16, 4), (16, 16), (100, 7), (5, 128), (1, 4)):
+        positions = _probe(model, max_queries=cap)._query_positions(t, cpu).tolist()
+        assert len(positions) == min(t, cap) and positions[-1] == t - 1 and positions[0] == 0
+        assert positions == sorted(set(positions))  # rising, each once
 
 
 def test_multihead_attention_with_causal_mask_matches_its_weights() -> None:
