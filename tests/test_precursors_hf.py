@@ -181,3 +181,19 @@ def test_guard_records_token_accuracy_from_the_labels_of_a_sampled_step() -> Non
         opt.zero_grad()
     guard.close()
     assert accuracies[1] is None and 0 <= accuracies[0] <= 1 and 0 <= accuracies[2] <= 1
+
+
+def test_falcons_grouped_qkv_is_left_out_and_said_its_per_head_one_read() -> None:
+    from trainguard.signals.model_structure import find_structure
+
+    def falcon(multi_query: bool) -> Any:
+        cfg = transformers.FalconConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            multi_query=multi_query, new_decoder_architecture=False,
+        )  # fmt: skip
+        return find_structure(transformers.FalconForCausalLM(cfg))
+
+    grouped = falcon(True)
+    assert grouped.attention == [] and "q/k split of transformer.h.0" in grouped.missing[0]
+    per_head = falcon(False)
+    assert [(s.kind, s.n_heads) for s in per_head.attention] == [("interleaved", 4)] * 2

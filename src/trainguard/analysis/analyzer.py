@@ -311,7 +311,6 @@ def _first_of_each_nan_stretch(
             lr=cut(series.lr),
             loss_scale=cut(series.loss_scale),
             overflow=cut(series.overflow),
-            token_accuracy=cut(series.token_accuracy),
             precursors=(
                 [p for p, k in zip(series.precursors, keep, strict=True) if k]
                 if series.precursors is not None

@@ -27,7 +27,7 @@ from trainguard.events import TrainguardError
 if TYPE_CHECKING:
     from trainguard.analysis.formats import LogFormat, ReadOptions
 
-OPTIONAL = ("grad_norm", "lr", "loss_scale", "token_accuracy")
+OPTIONAL = ("grad_norm", "lr", "loss_scale")
 MAX_WARNED_ROWS = 10
 USE_PANDAS = True  # parse clean blocks with pandas when it is installed
 BLOCK_BYTES = 1 << 24  # bytes parsed at once; a block with a bad row is parsed row by row
@@ -46,7 +46,6 @@ TB_TAGS = {  # TensorBoard tags tried in order when none is named
     "grad_norm": ("grad_norm", "train/grad_norm", "gradient_norm", "train/gradient_norm"),
     "lr": ("lr", "learning_rate", "train/learning_rate", "train/lr", "lr-AdamW", "lr-Adam"),
     "loss_scale": ("loss_scale", "train/loss_scale"),
-    "token_accuracy": ("token_accuracy", "train/token_accuracy", "train/mean_token_accuracy"),
 }
 
 
@@ -77,7 +76,6 @@ class LogData:
             grad_norm=self.extra.get("grad_norm"),
             lr=self.extra.get("lr"),
             loss_scale=self.extra.get("loss_scale"),
-            token_accuracy=self.extra.get("token_accuracy"),
             precursors=self.precursors,
         )
 

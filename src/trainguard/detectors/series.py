@@ -26,7 +26,6 @@ class MetricSeries:
     lr: np.ndarray | None = None
     loss_scale: np.ndarray | None = None
     overflow: np.ndarray | None = None
-    token_accuracy: np.ndarray | None = None  # NaN where a step has none
     nonfinite_grads: np.ndarray | None = None
     group_grad_norms: list[dict[str, float] | None] | None = None
     group_param_norms: list[dict[str, float] | None] | None = None
@@ -44,7 +43,6 @@ class MetricSeries:
             grad_norm=_present(self.grad_norm, i),
             lr=_present(self.lr, i),
             loss_scale=_present(self.loss_scale, i),
-            token_accuracy=_present(self.token_accuracy, i),
             overflow=bool(self.overflow[i]) if self.overflow is not None else False,
             nonfinite_grads=int(self.nonfinite_grads[i]) if self.nonfinite_grads is not None else 0,
             group_grad_norms=self.group_grad_norms[i] if self.group_grad_norms else None,

@@ -112,10 +112,10 @@ def find_structure(model: nn.Module) -> ModelStructure:
     if not found.attention:
         found.missing.append(
             "an attention layer (q/k projections, fused qkv, nn.MultiheadAttention)"
-            + (f"; heads unknown in {', '.join(unsized)}" if unsized else "")
+            + (f"; the heads or q/k split of {', '.join(unsized)}" if unsized else "")
         )
     elif unsized:
-        found.missing.append(f"the head count of {', '.join(unsized)}")
+        found.missing.append(f"the heads or q/k split of {', '.join(unsized)}")
     if not found.blocks:
         found.missing.append("blocks (a ModuleList of one class)")
     if found.head is None:
@@ -276,8 +276,9 @@ def _fused(
     heads = _number(owners, HEADS)
     if heads is None:
         return path or "model"
-    kv_heads = _number(owners, KV_HEADS) if kind == "fused" else heads
-    kv_heads = kv_heads or heads
+    kv_heads = _number(owners, KV_HEADS) or heads
+    if kind == "interleaved" and kv_heads != heads:
+        return path or "model"  # Falcon's grouped layout: not GPT-NeoX's per-head interleave
     width = heads + 2 * kv_heads
     if total % width:
         return path or "model"

@@ -35,6 +35,7 @@ from trainguard.signals.model_structure import (
 SIGNALS = ("max_logit", "attn_entropy", "block_rms", "log_z", "adam_eps_ratio")
 CHUNK_ELEMENTS = 1 << 24  # attention logits computed at once, at most (64 MB in float32)
 IGNORE_INDEX = -100  # labels that take no part in the loss
+MAX_CACHED_LENGTHS = 64  # sequence lengths whose query positions are kept
 
 
 class PrecursorProbe:
@@ -215,8 +216,8 @@ class PrecursorProbe:
             if labels is None or labels.shape != logits.shape[:2]:
                 return
             if self.structure.shift_labels:  # the logits at t predict the label at t + 1
-                keep = positions < t - 1
-                picked, positions = picked[:, keep], positions[keep] + 1
+                # the last position (t - 1, always the last of them) predicts no label
+                picked, positions = picked[:, :-1], positions[:-1] + 1
             targets = labels[:n].to(full.device)[:, positions]
             self._accuracy = token_accuracy(picked, targets, shift=False)
 
@@ -325,14 +326,18 @@ class PrecursorProbe:
         self._set("attn_entropy", site.layer, entropy)
 
     def _query_positions(self, t: int, device: torch.device) -> torch.Tensor:
-        """At most `max_queries` query positions spread evenly over a sequence of `t`, the last
-        among them (cached: no tensor is built per sampled step)."""
+        """At most `max_queries` query positions spread evenly over a sequence of `t`, rising,
+        the first and the last among them; made on the device (no copy, no sync) and cached."""
         key = (t, str(device))
         found = self._positions.get(key)
         if found is None:
             p = min(t, self.config.max_queries)
-            found = torch.linspace(t - 1, 0, p, device=device).round().long().flip(0)
-            found = torch.unique(found)
+            if p < 2:
+                found = torch.full((1,), t - 1, dtype=torch.long, device=device)
+            else:  # i * (t - 1) // (p - 1): strictly rising, as p <= t
+                found = torch.arange(p, device=device) * (t - 1) // (p - 1)
+            if len(self._positions) >= MAX_CACHED_LENGTHS:
+                self._positions.clear()
             self._positions[key] = found
         return found
 

@@ -24,7 +24,6 @@ OPTIONAL_NAMES = {
     "grad_norm": ("grad_norm", "train/grad_norm", "gradient_norm", "grad-norm", "norm"),
     "lr": ("lr", "learning_rate", "train/learning_rate", "train/lr", "lr-AdamW", "lr-Adam"),
     "loss_scale": ("loss_scale", "train/loss_scale", "scale"),
-    "token_accuracy": ("token_accuracy", "mean_token_accuracy", "train/mean_token_accuracy"),
 }
 
 
