@@ -392,7 +392,46 @@ def exchange_compare(rank: int, world: int, out: Path) -> dict[str, Any]:
     return found
 
 
+def precursors_agree(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """A DDP TinyGPT with Adam, each rank its own tokens, precursors every 4 steps: the guard's
+    figures (agreed over the ranks) beside this rank's own (a second probe, not reduced)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainguard.demo.model import TinyGPT, TinyGPTConfig
+    from trainguard.signals.gradients import precursor_dict
+    from trainguard.signals.precursors import PrecursorProbe
+
+    torch.manual_seed(0)
+    model = TinyGPT(TinyGPTConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=16))
+    ddp = DDP(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    cfg = tg.GuardConfig.from_dict({"console": False, "precursors": {"every": 4}})
+    counter = CollectiveCounter()
+    guard = tg.Guard(ddp, opt, config=cfg)
+    own = PrecursorProbe(model, cfg.precursors)  # this rank's figures, not agreed
+    g = torch.Generator().manual_seed(100 + rank)
+    agreed, local, per_step = {}, {}, []
+    for step in range(9):
+        own.arm(step)
+        x = torch.randint(0, 32, (4, 16), generator=g) * (rank + 1) % 32
+        loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1), x.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        taken = own.take(step, torch.device("cpu"))
+        if taken is not None:
+            local[step] = precursor_dict(own.names, taken[0].tolist())
+        counter.active, counter.count = True, 0
+        decision = guard.step(loss)
+        counter.active = False
+        per_step.append(counter.count)
+        if "precursors" in decision.metrics:
+            agreed[step] = decision.metrics["precursors"]
+    guard.close()
+    return {"agreed": agreed, "local": local, "collectives_per_step": per_step}
+
+
 SCENARIOS = {
+    "precursors_agree": precursors_agree,
     "exchange_compare": exchange_compare,
     "timed_checkpoint": timed_checkpoint,
     "fsdp_checkpoint": fsdp_checkpoint,

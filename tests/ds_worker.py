@@ -331,6 +331,46 @@ def unsupported(rank: int, out: Path) -> dict[str, Any]:
     return said
 
 
+def precursors(rank: int, out: Path) -> dict[str, Any]:
+    """A TinyGPT under ZeRO-2 and ZeRO-3 with 2 micro-batches a step, precursors every 2 steps:
+    the figures each rank's guard recorded, and the hooks left on the module after each step."""
+    import deepspeed
+
+    from trainguard.demo.model import TinyGPT, TinyGPTConfig
+
+    found: dict[str, Any] = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = TinyGPT(TinyGPTConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=16))
+        config = {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": stage},
+            "steps_per_print": 10**9,
+        }
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        cfg = tg.GuardConfig.from_dict({"console": False, "precursors": {"every": 2}})
+        folder = out / f"stage{stage}"
+        guard = DeepSpeedGuard(engine, config=cfg, run_dir=folder)
+        g = torch.Generator().manual_seed(10 + rank)
+        records: list[Any] = []
+        hooked: list[bool] = []
+        for _ in range(10):  # 5 optimizer steps of 2 micro-batches
+            x = torch.randint(0, 32, (4, 16), generator=g)
+            loss = nn.functional.cross_entropy(engine(x).flatten(0, 1), x.flatten())
+            engine.backward(loss)
+            decision = guard.step(loss, token_accuracy=0.5)
+            if decision.metrics:
+                records.append(decision.metrics.get("precursors"))
+                assert guard.probe is not None  # DeepSpeed's ZeRO-3 has module hooks of its own
+                hooked.append(guard.probe.hooked)
+        guard.close()
+        found[str(stage)] = {"records": records, "hooked": hooked}
+    return found
+
+
 SCENARIOS: dict[str, Callable[[int, Path], dict[str, Any]]] = {
     "nan_on_rank1": nan_on_rank1,
     "fp16_overflow": fp16_overflow,
@@ -341,6 +381,7 @@ SCENARIOS: dict[str, Callable[[int, Path], dict[str, Any]]] = {
     "replica_three": replica_three,
     "timed_checkpoint": timed_checkpoint,
     "unsupported": unsupported,
+    "precursors": precursors,
 }
 
 

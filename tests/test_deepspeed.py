@@ -36,7 +36,7 @@ def launch(out: Path, world: int, scenarios: list[str]) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("deepspeed")
-    two_ranks = [name for name in SCENARIOS if name != "replica_three"]
+    two_ranks = [name for name in SCENARIOS if name not in ("replica_three", "precursors")]
     return out, launch(out, WORLD, two_ranks)
 
 
@@ -316,3 +316,24 @@ def test_the_hf_trainer_running_deepspeed_is_guarded_by_the_callback(tmp_path):
     assert actions[12] == "skip"
     nonfinite = [e for e in events(tmp_path / "guard") if e["kind"] == "nonfinite"]
     assert [(e["step"], e["severity"]) for e in nonfinite] == [(12, "critical")]
+
+
+def test_precursors_under_zero_2_and_3_are_measured_on_the_sampled_steps_alike(tmp_path):
+    """The probe on the first micro-batch of every 2nd step, under ZeRO-2 and ZeRO-3, hooks gone
+    between; every rank's figures the same (one all-gather); a token accuracy passed in."""
+    results = launch(tmp_path, WORLD, ["precursors"])
+    for stage in ("2", "3"):
+        ranks = [r["precursors"][stage] for r in results]
+        assert ranks[0]["records"] == ranks[1]["records"]
+        records = ranks[0]["records"]
+        assert [r is not None for r in records] == [True, False, True, False, True]
+        assert set(records[2]) == {"max_logit", "attn_entropy", "block_rms", "log_z"}
+        assert set(records[2]["max_logit"]) == {"0", "1"}
+        assert ranks[0]["hooked"] == [False, True, False, True, False]
+        lines = [
+            json.loads(x)
+            for x in (tmp_path / "precursors" / f"stage{stage}" / "metrics.jsonl")
+            .read_text()
+            .splitlines()
+        ]
+        assert [x.get("token_accuracy") for x in lines if "step" in x] == [0.5] * 5

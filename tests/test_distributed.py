@@ -171,3 +171,23 @@ def test_gradients_x1000_on_one_rank_skip_the_step_on_every_rank_then_replay_it(
     guarded = sum(sum(r["losses"][-20:]) for r in results)
     clean = sum(sum(r["clean"]["losses"][-20:]) for r in reference)
     assert guarded == pytest.approx(clean, rel=0.05)
+
+
+def test_every_rank_gets_the_same_precursors_the_max_over_the_ranks(tmp_path):
+    """One all-gather on a sampled step only; each precursor the largest rank's, on every rank
+    (the Adam ratio aside: the state is only the guard's to read at its step)."""
+    results = launch("precursors_agree", 2, tmp_path)
+    assert results[0]["agreed"] == results[1]["agreed"]
+    assert sorted(results[0]["agreed"]) == ["0", "4", "8"]
+    for step in ("0", "4", "8"):
+        agreed = results[0]["agreed"][step]
+        for signal in ("max_logit", "attn_entropy", "block_rms", "log_z"):
+            for layer, value in agreed[signal].items():
+                mine = [r["local"][step][signal][layer] for r in results]
+                assert value == pytest.approx(max(mine), rel=1e-6), (step, signal, layer)
+                assert mine[0] != mine[1]  # the ranks did measure different figures
+    baseline = results[0]["collectives_per_step"][1]
+    for r in results:
+        assert r["collectives_per_step"] == [
+            baseline + 1 if step % 4 == 0 else baseline for step in range(9)
+        ]

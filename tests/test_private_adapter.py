@@ -51,6 +51,9 @@ def test_foreach_norm() -> None:
         assert got.dtype == want.dtype and torch.allclose(got.float(), want.float()), "foreach_norm"
     as_float = tp.foreach_norm(tensors, torch.float32)
     assert all(n.dtype == torch.float32 for n in as_float), "foreach_norm: dtype not honoured"
+    l1 = tp.foreach_norm(tensors, torch.float32, ord=1)
+    for got, t in zip(l1, tensors, strict=True):
+        assert torch.allclose(got, t.float().abs().sum()), "foreach_norm: ord=1 not honoured"
 
 
 def test_foreach_mul_sub_clone_copy() -> None:
@@ -62,6 +65,11 @@ def test_foreach_mul_sub_clone_copy() -> None:
     assert torch.equal(grads[0], before[0]) and torch.equal(grads[1], before[1] * 2), (
         "foreach_mul_: one factor a tensor"
     )
+    tp.foreach_mul_(grads, [0.5, 0.25])
+    assert torch.equal(grads[0], before[0] * 0.5) and torch.equal(grads[1], before[1] * 0.5), (
+        "foreach_mul_: one host float a tensor"
+    )
+    tp.foreach_mul_(grads, [2.0, 2.0])
     copies = tp.foreach_clone(grads)
     assert all(torch.equal(c, g) for c, g in zip(copies, grads, strict=True)), "foreach_clone"
     assert all(c.data_ptr() != g.data_ptr() for c, g in zip(copies, grads, strict=True)), (

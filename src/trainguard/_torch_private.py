@@ -40,14 +40,18 @@ __all__ = [
 
 
 def foreach_norm(
-    tensors: list[torch.Tensor], dtype: torch.dtype | None = None
+    tensors: list[torch.Tensor], dtype: torch.dtype | None = None, ord: float = 2
 ) -> tuple[torch.Tensor, ...]:
-    """Each tensor's 2-norm in one fused kernel; torch 2.13's public norms are one or total."""
-    return torch._foreach_norm(tensors, 2, dtype=dtype)
+    """Each tensor's `ord`-norm (2 unless told) in one fused kernel; torch 2.13's public norms
+    are one or total."""
+    return torch._foreach_norm(tensors, ord, dtype=dtype)
 
 
-def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor | list[torch.Tensor]) -> None:
-    """Scale tensors in place by a device scalar (or one each) in one fused kernel, with no sync."""
+def foreach_mul_(
+    tensors: list[torch.Tensor], factor: torch.Tensor | list[torch.Tensor] | list[float]
+) -> None:
+    """Scale tensors in place by a device scalar (or one each: tensors, or host floats that
+    cross to the device as kernel arguments) in one fused kernel, with no sync."""
     torch._foreach_mul_(tensors, factor)
 
 

@@ -18,6 +18,7 @@ from pydantic import (
     SecretStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from trainguard.events import ConfigError, known_kinds
@@ -351,6 +352,129 @@ class ReplicasConfig(_Section):
         description="Steps between checks (one all-reduce of 4 numbers a layer group, and one "
         "host transfer); 0 turns them off. Off where the parameters are sharded, not replicated "
         "(FSDP2, DeepSpeed ZeRO-3).",
+    )
+
+
+PRECURSOR_SIGNALS = ("max_logit", "attn_entropy", "block_rms", "adam_eps_ratio", "log_z")
+FALLING_PRECURSORS = frozenset({"attn_entropy", "adam_eps_ratio"})  # critical from above
+
+
+class PrecursorWarningConfig(_Section):
+    """The `precursor` early warning: a layer's precursor near its critical level and heading
+    there fast, read on the sampled steps (`precursors.every`)."""
+
+    enabled: bool = Field(True, description="Warn on the precursors' trends where sampled.")
+    critical: dict[str, float] = Field(
+        default_factory=lambda: {
+            "max_logit": 100.0,
+            "attn_entropy": 0.1,
+            "block_rms": 1000.0,
+            "adam_eps_ratio": 1.0,
+            "log_z": 30.0,
+        },
+        description="Each signal's critical level: attention collapses or the run diverges near"
+        " it; attn_entropy and adam_eps_ratio fall towards theirs, log_z counts by its size.",
+    )
+    margin: float = Field(
+        4.0, gt=1, description="A signal within this factor of its critical level may warn."
+    )
+    window: int = Field(12, ge=6, description="Latest samples whose robust trend is read.")
+    trend_noise: float = Field(
+        4.0,
+        gt=0,
+        description="The trend's rise over the window must exceed this many times the noise"
+        " about it.",
+    )
+    horizon: int = Field(
+        1000, ge=1, description="Warn only where the trend reaches critical within these steps."
+    )
+    confirm: int = Field(3, ge=1, description="Samples in a row that must meet every rule.")
+
+    @field_validator("critical")
+    @classmethod
+    def _known_signals(cls, critical: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(critical) - set(PRECURSOR_SIGNALS))
+        if unknown:
+            raise ValueError(f"unknown precursor signals {unknown}; known: {PRECURSOR_SIGNALS}")
+        if any(not v > 0 for v in critical.values()):
+            raise ValueError("critical levels must be over 0")
+        return critical
+
+
+class PreemptConfig(_Section):
+    """What the policy may do on a `precursor` warning, before the loss moves; off (no actions)
+    by default: a false action costs more than a missed warning."""
+
+    actions: list[Literal["lr_cut", "qk_rescale", "z_loss"]] = Field(
+        default_factory=list,
+        description="Preemptive actions, each at most once a warning episode a layer: 'lr_cut'"
+        " (the LR x `lr_factor`), 'qk_rescale' (W_q and W_k of the layers past `qk_threshold`"
+        " scaled so their max attention logit is `qk_target`; max_logit warnings only), 'z_loss'"
+        " (z-loss switched on at `z_loss_weight`; log_z warnings only).",
+    )
+    lr_factor: float = Field(0.5, gt=0, lt=1, description="'lr_cut' multiplies the LR by this.")
+    qk_threshold: float = Field(
+        25.0, gt=0, description="'qk_rescale' rescales the layers whose max logit is over this."
+    )
+    qk_target: float = Field(
+        15.0, gt=0, description="'qk_rescale' brings a layer's max attention logit down to this."
+    )
+    z_loss_weight: float = Field(1e-4, gt=0, description="'z_loss' adds weight * log(Z)^2.")
+
+    @field_validator("actions")
+    @classmethod
+    def _unique(cls, actions: list[str]) -> list[str]:
+        if len(set(actions)) != len(actions):
+            raise ValueError(f"preemptive actions listed twice: {actions}")
+        return actions
+
+    @model_validator(mode="after")
+    def _target_below_threshold(self) -> PreemptConfig:
+        if self.qk_target >= self.qk_threshold:
+            raise ValueError(
+                f"qk_target ({self.qk_target}) must lie under qk_threshold ({self.qk_threshold})"
+            )
+        return self
+
+
+class PrecursorsConfig(_Section):
+    """The precursors of divergence, measured on a sampled step through forward hooks on the
+    step's first training forward: each attention layer's max logit and entropy, each block's
+    output RMS, the output log-partition (log Z), token accuracy, and Adam's update-to-epsilon
+    ratio per layer group; nothing is measured on the other steps."""
+
+    enabled: bool = Field(
+        True,
+        description="Measure the precursors (needs a model; attention layers are found by "
+        "structure: separate, fused or interleaved q/k projections, nn.MultiheadAttention).",
+    )
+    every: int = Field(
+        50,
+        ge=1,
+        description="Steps between sampled steps: the hooks sit on the forward of steps "
+        "0, every, 2*every, ... only (one extra collective then in a distributed run).",
+    )
+    max_sequences: int = Field(
+        4, ge=1, description="Sequences of the sampled forward's batch that are measured."
+    )
+    max_queries: int = Field(
+        128,
+        ge=1,
+        description="Query positions per sequence whose attention logits are measured, spread "
+        "evenly over the sequence (the last always among them).",
+    )
+    adam_eps_ratio: bool = Field(
+        True,
+        description="Measure sqrt(mean v_hat)/eps per layer group from an Adam-like "
+        "optimizer's state (exp_avg_sq): near 1 or below, eps damps the updates.",
+    )
+    warning: PrecursorWarningConfig = Field(
+        default_factory=PrecursorWarningConfig,
+        description="The `precursor` early warning on the sampled precursors' trends.",
+    )
+    preempt: PreemptConfig = Field(
+        default_factory=PreemptConfig,
+        description="Preemptive actions on a `precursor` warning (none by default).",
     )
 
 
@@ -707,6 +831,7 @@ class GuardConfig(_Section):
     straggler: StragglerConfig = Field(default_factory=StragglerConfig)
     replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    precursors: PrecursorsConfig = Field(default_factory=PrecursorsConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     diagnosis: DiagnosisConfig = Field(default_factory=DiagnosisConfig)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 Severity = Literal["info", "warning", "critical"]
 Action = Literal["step", "skip", "rollback", "halt"]
 SpikeType = Literal["gradient_explosion", "data_toxicity", "optimizer", "architecture"]
+PreemptAction = Literal["lr_cut", "qk_rescale", "z_loss"]
 
 
 class EventKind(str, Enum):
@@ -166,6 +167,19 @@ class Event:
 
 
 @dataclass
+class PreemptCall:
+    """A preemptive action the policy chose on a `precursor` warning, for the actions to take
+    after the optimizer step."""
+
+    action: PreemptAction
+    layer: str  # the layer acted on ("output" for z-loss)
+    signal: str  # the precursor whose warning called for it
+    value: float  # that layer's precursor at the warning
+    factor: float | None = None  # lr_cut: the LR factor; qk_rescale: the max logit's factor
+    warning_step: int = 0  # the step of the warning
+
+
+@dataclass
 class Decision:
     """What the guard did at one step, with the events raised there and the step's figures."""
 
@@ -188,6 +202,7 @@ class Decision:
     resync_from: int | None = None  # the rank whose replica the divergent ranks are given
     resync_ranks: list[int] = field(default_factory=list)  # the ranks whose replicas diverged
     agreed_step: int | None = None  # the last check where every replica agreed
+    preempt: list[PreemptCall] = field(default_factory=list)  # on a precursor warning
 
     @property
     def quarantine(self) -> bool:

@@ -19,6 +19,8 @@ from trainguard.actions import OptimizerActions
 from trainguard.actions.checkpoint_files import DamagedCheckpoint
 from trainguard.actions.checkpoints import CheckpointStore, check_rng
 from trainguard.actions.data import GuardedBatches, default_batch_ids
+from trainguard.actions.preempt import Preemption
+from trainguard.actions.preemptive import PreemptiveActions
 from trainguard.actions.quarantine import Quarantine
 from trainguard.actions.replicas import ReplicaResync
 from trainguard.actions.snapshots import SnapshotRing
@@ -40,6 +42,8 @@ from trainguard.policy import StepPolicy
 from trainguard.recorder import action_counts, report
 from trainguard.recovery import Recovery
 from trainguard.signals import GradientStats, StepSignals
+from trainguard.signals.gradients import Measurement
+from trainguard.signals.precursors import PrecursorProbe
 from trainguard.sinks import Sink
 
 _D = TypeVar("_D")
@@ -125,6 +129,11 @@ class Guard(Monitor):
             )
             self._training = _Training(optimizer, stats, actions, diagnosis)
         self.user_actions = build_actions(cfg) if self._training is not None else []
+        self.probe: PrecursorProbe | None = None
+        self.preemption: Preemption | None = None
+        self.preemptive: PreemptiveActions | None = None
+        if model is not None:
+            self._start_probe(model, optimizer, stats)
         self.checkpointing: Checkpointing | None = None
         if self.run_dir is not None and model is not None and optimizer is not None:
             store = CheckpointStore(
@@ -146,6 +155,71 @@ class Guard(Monitor):
             linted = lint_scheduler if lint_scheduler is not None else scheduler
             self._publish(self._training.diagnosis.lint(model, linted, scaler))
             self.findings = self._training.diagnosis.findings
+
+    def _start_probe(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        stats: GradientStats | None,
+    ) -> None:
+        """The precursor probe (armed for step 0) and the preemptive actions on `model`; what
+        the probe cannot find in the model is said once (info)."""
+        cfg = self.config.precursors
+        if cfg.enabled:
+            self.probe = PrecursorProbe(
+                model,
+                cfg,
+                optimizer,
+                stats.params if stats is not None else (),
+                stats.groups.index if stats is not None else (),
+                stats.groups.group_names if stats is not None else (),
+                self.ranks,
+            )
+            self.probe.arm(self.global_step)
+            missing = self.probe.missing_message()
+            if missing is not None:
+                self._publish([self._probe_note(missing)])
+        self.preemption = Preemption(
+            model, self.probe.structure if self.probe is not None else None
+        )
+        self.preemptive = PreemptiveActions(
+            self._training.actions if self._training is not None else None,
+            self.preemption,
+            cfg.preempt.z_loss_weight,
+        )
+
+    def _probe_note(self, message: str) -> Event:
+        return Event(step=self.global_step, kind=EventKind.LINT, severity="info", message=message)
+
+    def _take_precursors(
+        self, step: int, measurement: Measurement, token_accuracy: torch.Tensor | float | None
+    ) -> None:
+        """On a sampled step, the probe's figures join the measurement (one all-gather in a
+        distributed run, on every rank alike); a token accuracy passed in replaces the probe's."""
+        if self.probe is not None:
+            taken = self.probe.take(step, measurement.head.device)
+            if taken is not None:
+                measurement.precursors, measurement.token_accuracy = taken
+                measurement.precursor_names = self.probe.names
+                if self.probe.rope_unseen:
+                    self.probe.rope_unseen = False
+                    self.probe.structure.uses_rope = False  # said once
+                    self._publish(
+                        [
+                            self._probe_note(
+                                "precursors: the model uses rotary position embeddings the "
+                                "attention layers do not receive as `position_embeddings`; "
+                                "its attention logits are measured before the rotation"
+                            )
+                        ]
+                    )
+        if isinstance(token_accuracy, torch.Tensor):
+            measurement.token_accuracy = token_accuracy.detach().float().reshape(1)
+
+    def _arm_probe(self) -> None:
+        """Hook the next step's forward where it is a sampled step."""
+        if self.probe is not None:
+            self.probe.arm(self.global_step)
 
     def _step_exchange(self) -> StepExchange | ReduceExchange | None:
         """The per-step exchange `ranks.exchange` names (none outside a distributed run)."""
@@ -224,6 +298,7 @@ class Guard(Monitor):
         per_sample_losses: torch.Tensor | Callable[[], torch.Tensor] | None = None,
         sample_text: Sequence[str] | None = None,
         routing: RoutingStats | None = None,
+        token_accuracy: torch.Tensor | float | None = None,
     ) -> Decision:
         """Measure this step's gradients after `loss.backward()`, run the detectors, and step,
         skip, roll back or halt (raising `TrainingHalted`); with a GradScaler pass the unscaled
@@ -233,13 +308,15 @@ class Guard(Monitor):
         first appeared; `per_sample_losses` (one per sample, left on the device and read only
         on a spike; or a closure computing them, called only on a spike) and `sample_text` let
         it name the samples behind a loss spike; `routing` (`trainguard.moe.routing_stats`)
-        feeds the routing-collapse detector."""
+        feeds the routing-collapse detector; `token_accuracy` (a share of tokens, a tensor or a
+        float) replaces the one the precursor probe measures on its sampled steps."""
         parts = self._trainer("guard.step")
         step = self.global_step
         self.recovery.remember_position(step)
         # measure (on the device), exchange (one collective), clip, then one host transfer
         parts.actions.unscale()
         measurement = parts.stats.measure(loss, parts.optimizer, self.scaler)
+        self._take_precursors(step, measurement, token_accuracy)
         batches = self.recovery.batches
         checkpoint_due = self._checkpoint_due_by_time()
         if self.exchange is not None:  # every rank's named row, in the step's one collective
@@ -253,6 +330,8 @@ class Guard(Monitor):
             )
         parts.actions.clip(parts.stats.params, measurement.total_norm)
         signals = parts.stats.resolve(measurement)
+        if token_accuracy is not None and not isinstance(token_accuracy, torch.Tensor):
+            signals.token_accuracy = float(token_accuracy)
         point = _point_from_signals(step, signals)
         self._check_replicas(point)
         if routing is not None:
@@ -281,6 +360,8 @@ class Guard(Monitor):
             parts.actions.step(signals.loss)
             parts.stats.after_optimizer_step(step)
             events += self._publish(self.recovery.cut_lr(decision))
+            if self.preemptive is not None:  # on a precursor warning, where the policy chose
+                events += self._publish(self.preemptive.apply(decision))
             self.recovery.maybe_snapshot(self.global_step)
             self._maybe_checkpoint(checkpoint_due)
         else:
@@ -304,6 +385,7 @@ class Guard(Monitor):
             self.checkpointing.report_errors()
         # diagnose what the decision left to explain, then record
         events += self._publish(parts.diagnosis.after_step(decision, replay))
+        self._arm_probe()
         result = self._finish(point, decision, events, signals)
         if result.action == "halt":
             result = self._halt(result, raise_error=True)
@@ -507,7 +589,9 @@ class Guard(Monitor):
         state = plain["guard"]
         try:
             DetectorSuite(self.config).load_state_dict(state["detectors"])
-            StepPolicy(self.config.policy, self.config.recovery).load_state_dict(state["policy"])
+            StepPolicy(
+                self.config.policy, self.config.recovery, self.config.precursors.preempt
+            ).load_state_dict(state["policy"])
             if self.optimizer is not None and state.get("actions") is not None:
                 OptimizerActions(self.optimizer).load_state_dict(state["actions"])
             self.recovery.read_state(state)
@@ -555,6 +639,7 @@ class Guard(Monitor):
             "quarantine_suspects": self.quarantine.state_dict(),
             "diagnosis": self._training.diagnosis.state_dict() if self._training else None,
             "user_actions": {a.name: a.state_dict() for a in self.user_actions},
+            "preemption": self.preemption.state_dict() if self.preemption is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -572,6 +657,9 @@ class Guard(Monitor):
         for action in self.user_actions:
             if action.name in saved:
                 action.load_state_dict(saved[action.name])
+        if self.preemption is not None and state.get("preemption") is not None:
+            self.preemption.load_state_dict(state["preemption"])
+        self._arm_probe()  # the sampled steps count from the restored step
 
     def _before_close(self) -> None:
         if self.checkpointing is not None:
@@ -604,4 +692,6 @@ def _point_from_signals(step: int, s: StepSignals) -> MetricPoint:
         group_grad_norms=s.group_grad_norms,
         update_ratio=s.update_ratio,
         group_param_norms=s.group_param_norms,
+        token_accuracy=s.token_accuracy,
+        precursors=s.precursors,
     )

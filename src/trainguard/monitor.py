@@ -53,7 +53,9 @@ class Monitor:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.detectors = DetectorSuite(self.config)
         self.policy = StepPolicy(
-            self.config.policy, self.config.recovery.sized(self.config.diagnosis.total_steps)
+            self.config.policy,
+            self.config.recovery.sized(self.config.diagnosis.total_steps),
+            self.config.precursors.preempt,
         )
         self.ranks = RankContext.detect(device if device is not None else torch.device("cpu"))
         self.enricher = EventEnricher(self.ranks)
@@ -78,9 +80,14 @@ class Monitor:
         loss_scale: float | None = None,
         group_grad_norms: dict[str, float] | None = None,
         batch_ids: Iterable[Any] | None = None,
+        token_accuracy: torch.Tensor | float | None = None,
+        precursors: dict[str, dict[str, float]] | None = None,
     ) -> Decision:
         """Feed the detectors from plain numbers without touching a model; the decision is
-        advisory: nothing is stepped or skipped, and a halt is logged and returned."""
+        advisory: nothing is stepped or skipped, and a halt is logged and returned.
+        `token_accuracy` is the share of tokens whose argmax is the target (a tensor is read
+        here: one host transfer); `precursors` (signal -> layer -> value, as `MetricPoint` has
+        them) are measured ones of your own."""
         point = MetricPoint(
             step=int(step),
             loss=float(loss),
@@ -88,6 +95,8 @@ class Monitor:
             lr=None if lr is None else float(lr),
             loss_scale=None if loss_scale is None else float(loss_scale),
             group_grad_norms=group_grad_norms,
+            token_accuracy=None if token_accuracy is None else float(token_accuracy),
+            precursors=_precursors(precursors),
         )
         decision, events = self._decide(point, batch_ids)
         decision = self._finish(point, decision, events, None)
@@ -323,3 +332,19 @@ def _evaluation_number(value: object) -> float | None:
         except OverflowError:  # an integer past 1e308
             return math.inf if str(value)[0] != "-" else -math.inf
     return None
+
+
+def _precursors(given: dict[str, dict[str, float]] | None) -> dict[str, dict[str, float]] | None:
+    """Precursors passed to `observe`, as plain floats (a one-line error where malformed)."""
+    if given is None:
+        return None
+    try:
+        return {
+            str(signal): {str(layer): float(v) for layer, v in layers.items()}
+            for signal, layers in given.items()
+        }
+    except (AttributeError, TypeError, ValueError):
+        raise TrainguardError(
+            "observe(precursors=...) takes {signal: {layer: number}}, such as "
+            "{'max_logit': {'0': 12.5}}"
+        ) from None

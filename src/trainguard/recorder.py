@@ -118,6 +118,10 @@ class Recorder:
             record["group_grad_norms"] = point.group_grad_norms
         if point.routing is not None:
             record["routing"] = point.routing
+        if point.token_accuracy is not None:
+            record["token_accuracy"] = point.token_accuracy
+        if point.precursors is not None:
+            record["precursors"] = point.precursors
         if point.rank_losses is not None:
             record["ranks"] = {
                 "loss": point.rank_losses,

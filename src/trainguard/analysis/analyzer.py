@@ -313,6 +313,11 @@ def _first_of_each_nan_stretch(
             overflow=cut(series.overflow),
             token_accuracy=cut(series.token_accuracy),
             evals=series.evals,
+            precursors=(
+                [p for p, k in zip(series.precursors, keep, strict=True) if k]
+                if series.precursors is not None
+                else None
+            ),
         ),
         lengths,
     )

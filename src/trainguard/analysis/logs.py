@@ -83,6 +83,8 @@ class LogData:
     evaluations: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     format: str = ""  # the format it was read as
     run: str | None = None  # the run's name, in a file that holds several
+    # a guarded run's precursors (metrics.jsonl's `precursors`), one entry a step (None: none)
+    precursors: list[dict[str, dict[str, float]] | None] | None = None
 
     def named_evaluations(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Every evaluation by name: `evaluations`, else the evaluation loss of `evals` (the
@@ -109,6 +111,7 @@ class LogData:
             loss_scale=self.extra.get("loss_scale"),
             token_accuracy=self.extra.get("token_accuracy"),
             evals=sorted(points, key=lambda e: e.step),
+            precursors=self.precursors,
         )
 
 
@@ -735,6 +738,7 @@ def jsonl(
     }
     out = _Columns()
     cols: dict[str, array[float]] = {k: array("d") for k in names}
+    precursors: dict[int, Any] = {}  # step -> its last row's precursors, where any row had some
     lineno, line = 0, ""
     with open_text(p) as f:
         for lineno, line in enumerate(f, 1):
@@ -748,7 +752,9 @@ def jsonl(
                 seen.update(record)
             cells = {key: record.get(name) for key, name in names.items()}
             evaluation = _keep_evaluations(record, names["step"], found)
-            if not _keep(cells, cols) and not evaluation:
+            if _keep(cells, cols):  # a training row: its precursors, where it has any
+                _note_precursors(record, cols["step"][-1], precursors)
+            elif not evaluation:
                 out.skip(lineno)
     if line and not line.endswith("\n"):
         out.unfinished = lineno
@@ -760,6 +766,8 @@ def jsonl(
     for name, (steps, values) in found.items():
         if len(steps):
             data.evaluations[name] = timeline_of(np.frombuffer(steps), np.frombuffer(values))
+    if precursors:
+        data.precursors = [precursors.get(int(s)) for s in data.steps]
     return data
 
 
@@ -788,6 +796,23 @@ def timeline_of(steps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.n
     order = np.asarray(steps, dtype=np.int64)
     keep, _ = final_timeline(order)
     return order[keep], np.asarray(values, dtype=np.float64)[keep]
+
+
+def _note_precursors(record: dict[str, Any], step: float, found: dict[int, Any]) -> None:
+    """Keep a row's `precursors` (signal -> layer -> number) by its step; a later row of a step
+    replaces an earlier one's, as the final timeline keeps the last row of each step."""
+    value = record.get("precursors")
+    key = int(step)
+    if isinstance(value, dict):
+        found[key] = {
+            str(signal): {
+                str(layer): v for layer, x in layers.items() if (v := number(x)) is not None
+            }
+            for signal, layers in value.items()
+            if isinstance(layers, dict)
+        }
+    elif key in found:
+        found[key] = None
 
 
 def _tensorboard(p: Path, tag: str | None) -> LogData:

@@ -32,6 +32,8 @@ class MetricSeries:
     token_accuracy: np.ndarray | None = None  # NaN where the step has none
     # the run's evaluations in step order; each is fed after the steps up to its own
     evals: list[EvalPoint] = field(default_factory=list)
+    # the sampled steps' precursors (signal -> layer -> value), None on the other steps
+    precursors: list[dict[str, dict[str, float]] | None] | None = None
     span: int = MIN_SPAN  # look-ahead of `advance`: grows over quiet stretches, shrinks at events
 
     def __len__(self) -> int:
@@ -49,6 +51,7 @@ class MetricSeries:
             group_grad_norms=self.group_grad_norms[i] if self.group_grad_norms else None,
             group_param_norms=self.group_param_norms[i] if self.group_param_norms else None,
             token_accuracy=_present(self.token_accuracy, i),
+            precursors=self.precursors[i] if self.precursors else None,
         )
 
     def part(self, start: int, end: int) -> MetricSeries:
@@ -71,6 +74,7 @@ class MetricSeries:
                 self.group_param_norms[start:end] if self.group_param_norms else None
             ),
             token_accuracy=cut(self.token_accuracy),
+            precursors=self.precursors[start:end] if self.precursors else None,
         )
 
     @property

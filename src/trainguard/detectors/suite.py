@@ -21,6 +21,7 @@ from trainguard.detectors.health import HealthThresholdDetector
 from trainguard.detectors.loss_ema import LossEmaDetector, loss_ema_routed
 from trainguard.detectors.loss_spike import LossSpikeDetector
 from trainguard.detectors.nonfinite import NonFiniteDetector
+from trainguard.detectors.precursors import PrecursorWarningDetector
 from trainguard.detectors.ranks import RankOutlierDetector, StragglerDetector
 from trainguard.detectors.replicas import ReplicaDivergenceDetector
 from trainguard.detectors.routing import RoutingCollapseDetector
@@ -92,6 +93,10 @@ _enabled(lambda c: RoutingCollapseDetector(c.routing), lambda c: c.routing.enabl
 _enabled(lambda c: LossEmaDetector(c.alerts), lambda c: loss_ema_routed(c.alerts))
 _enabled(lambda c: EvalDeclineDetector(c.eval_decline), lambda c: c.eval_decline.enabled)
 _enabled(lambda c: TokenAccuracyDetector(c.token_accuracy), lambda c: c.token_accuracy.enabled)
+_enabled(
+    lambda c: PrecursorWarningDetector(c.precursors.warning),
+    lambda c: c.precursors.enabled and c.precursors.warning.enabled,
+)
 
 
 class DetectorSuite:

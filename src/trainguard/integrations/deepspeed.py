@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from trainguard._torch_private import foreach_norm
 from trainguard.actions.optimizer_step import OptimizerActions
+from trainguard.actions.preemptive import PreemptiveActions
 from trainguard.actions.replicas import ReplicaResync
 from trainguard.actions.snapshots import rng_from_plain, rng_state, rng_to_plain, set_rng_state
 from trainguard.actions.user_actions import ActionTarget, build_actions, run_actions
@@ -176,6 +177,7 @@ class ZeroGradients:
         n_extra = m.extra.numel() if m.extra is not None else 0
         if n_extra:
             signals.extra = values[pos : pos + n_extra]
+        m.resolve_signals(values, signals)
         return signals
 
 
@@ -337,6 +339,11 @@ class DeepSpeedGuard(Guard):
         self._size_confirmation()
         self.findings = []
         self._micro_losses: list[torch.Tensor] = []
+        self.probe = None
+        self._start_probe(engine.module, None, None)  # no Adam ratio: ZeRO flattens the state
+        self.preemption = None  # the engine's master weights would undo a rescale
+        # preemptive LR cuts through the engine's actions; no rescale or z-loss (no preemption)
+        self.preemptive = PreemptiveActions(actions, None, cfg.precursors.preempt.z_loss_weight)
 
     def step(
         self,
@@ -347,6 +354,7 @@ class DeepSpeedGuard(Guard):
         per_sample_losses: torch.Tensor | Callable[[], torch.Tensor] | None = None,
         sample_text: Sequence[str] | None = None,
         routing: RoutingStats | None = None,
+        token_accuracy: torch.Tensor | float | None = None,
     ) -> Decision:
         """After `engine.backward(loss)`: between accumulation boundaries this runs the
         engine's step (no update) and returns a plain `step` decision for the micro-batch; at
@@ -372,6 +380,7 @@ class DeepSpeedGuard(Guard):
         self._micro_losses = []
         step = self.global_step
         measurement = self.gradients.measure(mean_loss)
+        self._take_precursors(step, measurement, token_accuracy)
         batches = self.recovery.batches
         checkpoint_due = self._checkpoint_due_by_time()
         if self.exchange is not None:  # every rank's figures, in the step's exchange
@@ -384,6 +393,8 @@ class DeepSpeedGuard(Guard):
                 checkpoint_due=checkpoint_due,
             )
         signals = self.gradients.resolve(measurement)
+        if token_accuracy is not None and not isinstance(token_accuracy, torch.Tensor):
+            signals.token_accuracy = float(token_accuracy)
         point = _point_from_signals(step, signals)
         self._check_replicas(point)  # before the engine steps: the weights this step used
         if self.exchange is not None:
@@ -399,6 +410,8 @@ class DeepSpeedGuard(Guard):
         if decision.action == "step":
             actions.step(signals.loss)
             events += self._publish(self.recovery.cut_lr(decision))
+            if self.preemptive is not None:
+                events += self._publish(self.preemptive.apply(decision))
             self.recovery.maybe_snapshot(self.global_step)
             self._maybe_checkpoint(checkpoint_due)
         else:
@@ -415,6 +428,7 @@ class DeepSpeedGuard(Guard):
             )
             acted = dataclasses.replace(decision, events=list(events))
             events += self._publish(run_actions(self.user_actions, acted, target))
+        self._arm_probe()
         result = self._finish(point, decision, events, signals)
         if result.action == "halt":
             result = self._halt(result, raise_error=True)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from trainguard.config import PolicyConfig, RecoveryConfig
+from trainguard.config import PolicyConfig, PreemptConfig, RecoveryConfig
 from trainguard.detectors.base import EvalPoint, MetricPoint
-from trainguard.events import Action, Decision, Event, EventKind
+from trainguard.events import Action, Decision, Event, EventKind, PreemptCall
 
 SAME_REGION = 2  # rollbacks to targets this many snapshot intervals apart hit the same region
 MAX_WIDENING = 3  # the skip doubles with each repeat in a region, up to 2**3 times
@@ -32,9 +33,13 @@ class StepPolicy:
     """The only place where events become an action (README: the rules, in order)."""
 
     def __init__(
-        self, config: PolicyConfig | None = None, recovery: RecoveryConfig | None = None
+        self,
+        config: PolicyConfig | None = None,
+        recovery: RecoveryConfig | None = None,
+        preempt: PreemptConfig | None = None,
     ) -> None:
         self.config = config or PolicyConfig()
+        self.preempt = preempt or PreemptConfig()
         self.recovery = (recovery or RecoveryConfig()).sized(None)  # the Guard sizes it to a run
         self.consecutive_skips = 0
         self.consecutive_nonfinite = 0
@@ -50,6 +55,8 @@ class StepPolicy:
         self._no_target: int | None = None  # this step's incident without a target
         self.restored_to: int | None = None  # the step the last rollback restored
         self.resynced = False  # the last decision gave diverged replicas a copy
+        # "action/signal/layer" -> the step of the precursor warning it was taken on
+        self.preempted: dict[str, int] = {}
 
     def decide(
         self,
@@ -76,6 +83,8 @@ class StepPolicy:
             self.unrolled = incident
             decision.unrolled_incident = incident
             decision.lr_factor = self._next_lr_factor()
+        if decision.action == "step":  # a skipped or undone step's warning is not acted on
+            decision.preempt = self._preempt(point, events)
         return decision
 
     def on_evaluation(self, point: EvalPoint, events: list[Event]) -> list[Event]:
@@ -88,6 +97,54 @@ class StepPolicy:
             )
             for e in events
         ]
+
+    def _preempt(self, point: MetricPoint, events: list[Event]) -> list[PreemptCall]:
+        """The preemptive actions `precursors.preempt.actions` allows on this step's precursor
+        warnings: each at most once a warning episode (a signal of a layer) and layer, one LR
+        cut a step at most."""
+        chosen = self.preempt.actions
+        if not chosen:
+            return []
+        calls: list[PreemptCall] = []
+        for e in events:
+            if e.kind != EventKind.PRECURSOR:
+                continue
+            signal, layer = str(e.metrics.get("signal")), str(e.metrics.get("layer"))
+            value = float(e.metrics.get("value", math.nan))
+            if "lr_cut" in chosen and not any(c.action == "lr_cut" for c in calls):
+                calls += self._once(
+                    PreemptCall("lr_cut", layer, signal, value, self.preempt.lr_factor, e.step)
+                )
+            if "qk_rescale" in chosen and signal == "max_logit":
+                calls += self._qk_rescales(point, layer, value, e.step)
+            if "z_loss" in chosen and signal == "log_z":
+                calls += self._once(PreemptCall("z_loss", layer, signal, value, None, e.step))
+        return calls
+
+    def _qk_rescales(
+        self, point: MetricPoint, layer: str, value: float, step: int
+    ) -> list[PreemptCall]:
+        """QK rescales on a max-logit warning: the warned layer and every layer past
+        `qk_threshold`, each brought down to `qk_target`."""
+        cfg = self.preempt
+        logits = dict((point.precursors or {}).get("max_logit") or {})
+        over = {name: v for name, v in logits.items() if v > cfg.qk_threshold}
+        over.setdefault(layer, value)
+        calls: list[PreemptCall] = []
+        for name, v in sorted(over.items()):
+            if math.isfinite(v) and v > cfg.qk_target:
+                call = PreemptCall("qk_rescale", name, "max_logit", v, cfg.qk_target / v, step)
+                calls += self._once(call)
+        return calls
+
+    def _once(self, call: PreemptCall) -> list[PreemptCall]:
+        """`[call]` unless this action was taken for this layer in this warning's episode or a
+        later one (a replayed or resumed step)."""
+        key = f"{call.action}/{call.signal}/{call.layer}"
+        if self.preempted.get(key, -1) >= call.warning_step:
+            return []
+        self.preempted[key] = call.warning_step
+        return [call]
 
     @property
     def _same_fault(self) -> int:
@@ -378,6 +435,7 @@ class StepPolicy:
             "unrolled": self.unrolled,
             "restored_to": self.restored_to,
             "resynced": self.resynced,
+            "preempted": dict(self.preempted),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -400,3 +458,4 @@ class StepPolicy:
         restored = state.get("restored_to")
         self.restored_to = None if restored is None else int(restored)
         self.resynced = bool(state.get("resynced", False))
+        self.preempted = {str(k): int(v) for k, v in state.get("preempted", {}).items()}

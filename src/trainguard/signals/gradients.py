@@ -29,6 +29,7 @@ from trainguard.signals.layer_groups import LayerGroups
 FIRST_NONFINITE = 10
 _HEAD = 5  # loss, grad norm, non-finite count, loss scale, scaler found-inf
 _LOSS, _NONFINITE = 0, 2  # their places in the head
+NOT_MEASURED = -math.inf  # a precursor the sampled forward did not reach (the MAX's identity)
 
 
 @dataclass
@@ -50,6 +51,9 @@ class StepSignals:
     group_update_ratios: dict[str, float] = field(default_factory=dict)
     group_param_norms: dict[str, float] | None = None  # every step, before the update
     extra: list[float] = field(default_factory=list)  # what the caller appended (per-rank data)
+    # on a sampled step (`precursors.every`): signal -> layer -> value, as `MetricPoint` has them
+    precursors: dict[str, dict[str, float]] | None = None
+    token_accuracy: float | None = None  # the sampled forward's, or the one passed in
 
 
 @dataclass
@@ -83,13 +87,37 @@ class Measurement:
     group_rep_sq: torch.Tensor | None = None
     group_shard_sq: torch.Tensor | None = None
     extra: torch.Tensor | None = None
+    # a sampled step's precursors (one value each of `precursor_names`, (signal, layer)) and
+    # token accuracy (one value): packed after `extra`, in this order
+    precursors: torch.Tensor | None = None
+    precursor_names: list[tuple[str, str]] = field(default_factory=list)
+    token_accuracy: torch.Tensor | None = None
 
     @property
     def packed(self) -> torch.Tensor:
         pieces = [self.head, self.first, self.group_norms, *self.tail]
-        if self.extra is not None:
-            pieces.append(self.extra.to(self.head.device, torch.float32).reshape(-1))
+        for piece in (self.extra, self.precursors, self.token_accuracy):
+            if piece is not None:
+                pieces.append(piece.to(self.head.device, torch.float32).reshape(-1))
         return torch.cat(pieces)
+
+    @property
+    def n_after_extra(self) -> int:
+        """How many packed values follow `extra`: the precursors, then the token accuracy."""
+        n = self.precursors.numel() if self.precursors is not None else 0
+        return n + (1 if self.token_accuracy is not None else 0)
+
+    def resolve_signals(self, values: list[float], signals: StepSignals) -> None:
+        """Read the precursors and token accuracy from the packed `values` (they end them) into
+        `signals`; both resolvers call it."""
+        pos = len(values) - self.n_after_extra
+        if self.precursors is not None:
+            n = self.precursors.numel()
+            signals.precursors = precursor_dict(self.precursor_names, values[pos : pos + n])
+            pos += n
+        if self.token_accuracy is not None:
+            accuracy = values[pos]
+            signals.token_accuracy = accuracy if math.isfinite(accuracy) else None
 
     def rank_figures(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's loss and non-finite gradient count, for the per-step exchange."""
@@ -314,12 +342,14 @@ class GradientStats:
                 for name, p, u in zip(self.groups.group_names, gp, gu, strict=True)
             }
         n_extra = m.extra.numel() if m.extra is not None else 0
-        lr_values = iter(values[pos : len(values) - n_extra])
+        end = len(values) - m.n_after_extra
+        lr_values = iter(values[pos : end - n_extra])
         signals.lrs = [
             next(lr_values) if isinstance(lr, torch.Tensor) else float(lr) for lr in m.lrs
         ]
         if n_extra:
-            signals.extra = values[len(values) - n_extra :]
+            signals.extra = values[end - n_extra : end]
+        m.resolve_signals(values, signals)
         return signals
 
     def group_report(self) -> dict[str, dict[str, float]]:
@@ -385,6 +415,19 @@ class GradientStats:
     def discard_update(self) -> None:
         """Forget the parameter copy of a step that was skipped."""
         self._prev_params = None
+
+
+def precursor_dict(
+    names: list[tuple[str, str]], values: list[float]
+) -> dict[str, dict[str, float]]:
+    """signal -> layer -> value from the (signal, layer) names and their values; a value the
+    sampled forward did not reach (-inf, `NOT_MEASURED`, on every rank) is left out, a NaN
+    measured (a layer gone non-finite) is kept."""
+    out: dict[str, dict[str, float]] = {}
+    for (signal, layer), value in zip(names, values, strict=True):
+        if value != NOT_MEASURED:
+            out.setdefault(signal, {})[layer] = value
+    return out
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
