@@ -82,20 +82,24 @@ class TensorBoardSink(Sink):
                 "dropped so far)"
             )
 
-    def on_metrics(self, record: dict[str, Any]) -> None:
-        step = record.get("step")
-        if not isinstance(step, int):
-            return
+    def _write(self, write: Callable[[Any], None]) -> None:
+        """Call `write(writer)` where a writer is usable; a failure (a full disk, surfacing from
+        the writer's thread) is reported and the writer retried later, never raised."""
         writer = self._usable_writer()
         if writer is None:
             self.dropped += 1
             return
         try:
-            self._write_metrics(writer, record, step)
-        except Exception as exc:  # a full disk surfaces here, from the writer's thread
+            write(writer)
+        except Exception as exc:
             self._failed(exc)
             return
         self._recovered()
+
+    def on_metrics(self, record: dict[str, Any]) -> None:
+        step = record.get("step")
+        if isinstance(step, int):
+            self._write(lambda writer: self._write_metrics(writer, record, step))
 
     def _write_metrics(self, writer: Any, record: dict[str, Any], step: int) -> None:
         for key in SCALARS:
@@ -119,36 +123,22 @@ class TensorBoardSink(Sink):
         step = record.get("step")
         if not isinstance(step, int):
             return
-        writer = self._usable_writer()
-        if writer is None:
-            self.dropped += 1
-            return
-        try:
+
+        def write(writer: Any) -> None:
             for name, value in (record.get("values") or {}).items():
                 if _finite_number(value):
                     writer.add_scalar(f"eval/{name}", float(value), step)
-        except Exception as exc:
-            self._failed(exc)
-            return
-        self._recovered()
+
+        self._write(write)
 
     def on_event(self, event: Event) -> None:
         if SEVERITY_RANK[event.severity] < SEVERITY_RANK["warning"]:
-            return
-        writer = self._usable_writer()
-        if writer is None:
-            self.dropped += 1
             return
         kind = event.kind + (f" ({event.type})" if event.type else "")
         text = f"**{event.severity}** {kind}: {event.message}"
         if event.action:
             text += f" -> {event.action}"
-        try:
-            writer.add_text("incidents", text, event.step)
-        except Exception as exc:
-            self._failed(exc)
-            return
-        self._recovered()
+        self._write(lambda writer: writer.add_text("incidents", text, event.step))
 
     def close(self) -> None:
         writer, self.writer = self.writer, None
