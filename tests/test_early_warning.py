@@ -52,13 +52,15 @@ def test_rising_logit_warns_once_with_a_sane_estimate_of_the_steps_left() -> Non
     # 5 % growth per sampled step (50 steps) from 10: reaches 100 at sample 47, step 2350
     values = [10.0 * 1.05**i * (1 + 0.01 * rng.standard_normal()) for i in range(60)]
     events = _stream(values)
-    assert len(events) == 1
-    (warning,) = events
+    assert len(events) == 2  # heading there, then once more when it passes critical
+    warning, passed = events
+    crossing = next(i for i, v in enumerate(values) if v >= 100.0) * EVERY
+    assert passed.step == crossing and passed.metrics["steps_left"] == 0
+    assert "is past its critical level 100" in passed.message
     assert warning.kind == "precursor" and warning.severity == "warning"
     m = warning.metrics
     assert m["layer"] == "blocks.1" and m["signal"] == "max_logit" and m["critical"] == 100.0
     assert 25.0 <= m["value"] < 100.0  # within 4x of critical
-    crossing = next(i for i, v in enumerate(values) if v >= 100.0) * EVERY
     actual_left = crossing - warning.step
     assert actual_left >= 100  # ahead of time
     # a linear extrapolation of an accelerating rise: too long, never too short, within 2x
@@ -88,8 +90,23 @@ def test_a_signal_far_from_critical_does_not_warn() -> None:
 def test_falling_entropy_warns() -> None:
     values = [2.0 * 0.93**i for i in range(60)]  # towards 0.1 from above
     events = _stream(values, signal="attn_entropy", layer="blocks.0")
-    assert len(events) == 1
+    assert len(events) == 2  # heading there; then past it (under 0.1), said once
     assert events[0].metrics["signal"] == "attn_entropy" and events[0].metrics["value"] <= 0.4
+    assert "falling towards" in events[0].message and events[1].metrics["value"] <= 0.1
+    assert "past its critical level 0.1" in events[1].message
+
+
+def test_a_layer_that_grows_back_past_critical_after_a_rescale_is_warned_of_again() -> None:
+    """Warned of at ~40, rescaled to 12 (inside the episode: fewer quiet samples than the
+    window), then growing again: a warning when it passes critical, so the policy may act again;
+    none while it stays past."""
+    rise = [10.0 * 1.08**i for i in range(25)]  # to ~63: warned of
+    regrow = [12.0 * 1.5**i for i in range(8)]  # 12 to ~205: past 100 at its 6th sample
+    events = _stream(rise + regrow + [300.0] * 5)
+    assert len(events) == 2
+    assert "towards its critical level" in events[0].message
+    assert events[1].step == (len(rise) + 6) * EVERY
+    assert "past its critical level" in events[1].message
 
 
 def test_a_new_episode_warns_again_after_the_signal_settles() -> None:
@@ -100,7 +117,7 @@ def test_a_new_episode_warns_again_after_the_signal_settles() -> None:
 
 
 def test_state_dict_round_trip_keeps_the_episode() -> None:
-    values = [10.0 * 1.06**i for i in range(45)]
+    values = [10.0 * 1.06**i for i in range(40)]  # up to 97: short of critical
     detector = PrecursorWarningDetector(PrecursorWarningConfig())
     first = []
     for i, v in enumerate(values[:36]):
@@ -254,6 +271,9 @@ def test_preemptive_actions_switched_on_act_once_a_warning_and_keep_the_run_fini
     assert held["lr_scale"] == 0.5 ** len(lr_cuts)
     assert len(held["rescales"]) == sum(e.metrics["action"] == "rescale_qk" for e in taken)
     assert held["policy"]  # in the guard's state: a resumed run does not repeat them
+    # the guard's own rescale of W_q and W_k is no weight jump (a write outside the optimizer)
+    rescaled = {e.step for e in taken if e.metrics["action"] == "rescale_qk"}
+    assert rescaled and not [e for e in events if e.kind == "weight_jump"]
 
 
 def _warning(step: int, layer: str, value: float, signal: str = "max_logit") -> Event:
@@ -309,8 +329,8 @@ def test_preempt_config_is_checked() -> None:
 
 
 def test_the_suite_runs_it_offline_as_live() -> None:
-    values = [10.0 * 1.06**i for i in range(45)]
-    steps = np.arange(45 * EVERY)
+    values = [10.0 * 1.06**i for i in range(50)]  # towards critical, then past it (at 40)
+    steps = np.arange(50 * EVERY)
     column: list[dict[str, dict[str, float]] | None] = [None] * len(steps)
     for i, v in enumerate(values):
         column[i * EVERY] = {"max_logit": {"0": v}}
@@ -319,20 +339,20 @@ def test_the_suite_runs_it_offline_as_live() -> None:
     live_suite = DetectorSuite()
     live = [e for i in range(len(steps)) for e in live_suite.update(series.point(i))]
     live = [e for e in live if e.kind == "precursor"]
-    assert len(offline) == 1 and [e.step for e in offline] == [e.step for e in live]
-    assert offline[0].metrics == live[0].metrics
+    assert len(offline) == 2 and [e.step for e in offline] == [e.step for e in live]
+    assert [e.metrics for e in offline] == [e.metrics for e in live]
 
 
 def test_analyze_reads_the_precursors_of_a_guarded_runs_log(tmp_path: Path) -> None:
     rows = []
-    for step in range(45 * EVERY):
+    for step in range(40 * EVERY):  # up to 97: short of critical
         row: dict[str, Any] = {"step": step, "loss": 2.0 - 1e-4 * step, "action": "step"}
         if step % EVERY == 0:
             row["precursors"] = {"max_logit": {"0": 10.0 * 1.06 ** (step // EVERY)}}
         rows.append(json.dumps(row))
     (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
     data = read_log(tmp_path / "metrics.jsonl")
-    assert data.precursors is not None and sum(p is not None for p in data.precursors) == 45
+    assert data.precursors is not None and sum(p is not None for p in data.precursors) == 40
     found = [e for e in analyze(data).events if e.kind == "precursor"]
     assert len(found) == 1 and found[0].metrics["layer"] == "0"
 

@@ -131,6 +131,7 @@ class Guard(Monitor):
         self.user_actions = build_actions(cfg) if self._training is not None else []
         self.probe: PrecursorProbe | None = None
         self.preemption: Preemption | None = None
+        self._weights_rewritten = False  # a QK rescale after the last optimizer step
         self.preemptive: PreemptiveActions | None = None
         if model is not None:
             self._start_probe(model, optimizer, stats)
@@ -336,6 +337,7 @@ class Guard(Monitor):
         self._check_replicas(point)
         if routing is not None:
             point.routing = routing.to_point()
+        point.weights_rewritten, self._weights_rewritten = self._weights_rewritten, False
         if self.exchange is not None:
             self.exchange.add_rank_figures(point, signals.extra)
             checkpoint_due = self.exchange.checkpoint_due  # any rank's clock: due on all
@@ -361,7 +363,11 @@ class Guard(Monitor):
             parts.stats.after_optimizer_step(step)
             events += self._publish(self.recovery.cut_lr(decision))
             if self.preemptive is not None:  # on a precursor warning, where the policy chose
-                events += self._publish(self.preemptive.apply(decision))
+                taken = self.preemptive.apply(decision)
+                self._weights_rewritten = any(
+                    e.metrics.get("action") == "rescale_qk" for e in taken
+                )
+                events += self._publish(taken)
             self.recovery.maybe_snapshot(self.global_step)
             self._maybe_checkpoint(checkpoint_due)
         else:

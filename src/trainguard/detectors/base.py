@@ -88,6 +88,9 @@ class MetricPoint:
     # a replica check's outcome: None where none was made, {} where every replica agreed, else
     # per layer group where they differ each rank's class (ranks of one class hold equal weights)
     replica_classes: dict[str, list[int]] | None = None
+    # the guard itself rewrote weights since the last step (a preemptive QK rescale): their
+    # norms moved by design, which `weight_jump` does not judge
+    weights_rewritten: bool = False
     # the share of tokens whose argmax is the target: on a sampled step, or passed in
     token_accuracy: float | None = None
     # on a sampled step (`precursors.every`), the precursors of divergence: signal -> layer ->

@@ -27,7 +27,7 @@ class PrecursorWarningDetector(Detector):
     a row warn, once an episode (it ends after `window` samples that fail the rules)."""
 
     name = EventKind.PRECURSOR.value
-    _state = ("samples", "streaks", "warned", "quiet")
+    _state = ("samples", "streaks", "warned", "quiet", "passed")
 
     def __init__(self, config: PrecursorWarningConfig | None = None) -> None:
         self.config = config or PrecursorWarningConfig()
@@ -36,6 +36,8 @@ class PrecursorWarningDetector(Detector):
         self.streaks: dict[str, int] = {}  # samples in a row that met every rule
         self.warned: dict[str, bool] = {}  # a warning was given in the episode going on
         self.quiet: dict[str, int] = {}  # samples in a row since, that met no rule
+        # past its critical level since it was last outside `margin` of it (warned of once)
+        self.passed: dict[str, bool] = {}
 
     def update(self, point: MetricPoint) -> list[Event]:
         if not point.precursors:
@@ -72,7 +74,16 @@ class PrecursorWarningDetector(Detector):
         held.append([float(point.step), _towards(signal, value)])
         cfg = self.config
         self.samples[key] = held = held[-cfg.window :]
-        trend = self._trend(held, _towards(signal, critical))
+        target = _towards(signal, critical)
+        now = _towards(signal, value)
+        past = now >= target
+        if not _near(now, target, cfg.margin):
+            self.passed[key] = False  # far from critical again (a preemptive rescale): re-armed
+        if past and self.warned.get(key, False) and not self.passed.get(key, False):
+            # warned of earlier in this episode and now past critical (again): said once more
+            self.passed[key] = True
+            return self._warning(point, signal, layer, value, critical, 0, 0.0, len(held))
+        trend = self._trend(held, target)
         if trend is None:
             self.streaks[key] = 0
             self.quiet[key] = self.quiet.get(key, 0) + 1
@@ -84,24 +95,45 @@ class PrecursorWarningDetector(Detector):
         if self.streaks[key] < cfg.confirm or self.warned.get(key, False):
             return None
         self.warned[key] = True
+        self.passed[key] = past
         slope, steps_left = trend
+        return self._warning(point, signal, layer, value, critical, steps_left, slope, len(held))
+
+    def _warning(
+        self,
+        point: MetricPoint,
+        signal: str,
+        layer: str,
+        value: float,
+        critical: float,
+        steps_left: int,
+        slope: float,
+        samples: int,
+    ) -> Event:
+        """The `precursor` warning of one layer's signal: heading for its critical level, with
+        the steps left at its trend, or already past it."""
         falling = signal in FALLING_PRECURSORS
         heading = "falling" if falling else "rising"
+        past = _towards(signal, value) >= _towards(signal, critical)
+        where = (
+            f"is past its critical level {fmt(critical)}"
+            if past
+            else f"is {heading} towards its critical level {fmt(critical)}: about {steps_left} "
+            f"steps left at its trend over the last {samples} samples"
+        )
         return self.event(
             point,
             "warning",
-            f"{signal} of {layer} at {fmt(value)} is {heading} towards its critical level "
-            f"{fmt(critical)}: about {steps_left} steps left at its trend over the last "
-            f"{len(held)} samples; act before the loss moves (lower the LR, QK-norm or max-logit "
-            "clipping for attention logits, z-loss for log Z)",
+            f"{signal} of {layer} at {fmt(value)} {where}; act before the loss moves (lower the "
+            "LR, QK-norm or max-logit clipping for attention logits, z-loss for log Z)",
             {
                 "layer": layer,
                 "signal": signal,
                 "value": value,
                 "critical": critical,
-                "steps_left": steps_left,
+                "steps_left": 0 if past else steps_left,
                 "slope_per_step": -slope if falling else slope,
-                "samples": len(held),
+                "samples": samples,
             },
         )
 

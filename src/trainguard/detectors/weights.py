@@ -27,7 +27,8 @@ class WeightJumpDetector(Detector):
     steps without a jump), naming the group that moved most; none where the LR the run gives
     jumped (`stats.lr_increased`) within `QUIET_STEPS` steps, as a warm restart does: the run
     moved them. A candidate is judged on norms floored at half the group's median norm, so a
-    small group passing near zero (a lone scalar bias changing sign) is not a jump."""
+    small group passing near zero (a lone scalar bias changing sign) is not a jump; weights the
+    guard rewrote itself (`MetricPoint.weights_rewritten`) are taken as they are."""
 
     name = "weight_jump"
     _state = ("last", "groups", "recent", "sizes", "quiet", "lrs")
@@ -49,6 +50,9 @@ class WeightJumpDetector(Detector):
     def update(self, point: MetricPoint) -> list[Event]:
         norms = point.group_param_norms
         if not norms:
+            return []
+        if point.weights_rewritten:  # the guard's own rescale: the new norms are the reference
+            self.last.update({k: v for k, v in norms.items() if math.isfinite(v) and v > 0})
             return []
         if point.lr is not None and math.isfinite(point.lr):
             self.lrs.append(point.lr)
