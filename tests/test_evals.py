@@ -538,3 +538,41 @@ def test_a_detectors_evaluation_event_is_a_warning_at_most_and_never_an_action()
         unregister_detector(AtChance)
     assert (event.severity, event.action, event.step) == ("warning", None, 10)
     assert decision.action == "step" and decision.events == []
+
+
+def test_token_accuracy_passed_in_is_one_number_in_range_or_a_one_line_error(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Monitor(GuardConfig(console=False), run_dir=tmp_path / "m") as monitor:
+        for bad in (torch.rand(3), 1.5, -0.1, "0.5", True):
+            with pytest.raises(TrainguardError, match="token_accuracy=") as caught:
+                monitor.observe(0, loss=2.0, token_accuracy=bad)  # type: ignore[arg-type]
+            assert "\n" not in str(caught.value)
+        monitor.observe(0, loss=2.0, token_accuracy=torch.tensor(0.4))
+    from trainguard import Guard
+
+    with Guard(model, opt, config=GuardConfig(console=False), run_dir=tmp_path / "g") as guard:
+        model(torch.ones(1, 2)).sum().backward()
+        with pytest.raises(TrainguardError, match="token_accuracy="):
+            guard.step(torch.tensor(1.0), token_accuracy=torch.rand(3))
+        assert guard.global_step == 0  # refused before anything was measured or stepped
+        decision = guard.step(torch.tensor(1.0), token_accuracy=0.25)
+        assert decision.action == "step"
+
+
+def test_an_evaluation_at_a_future_step_does_not_lock_out_the_later_ones(tmp_path):
+    """An epoch or sample count passed as the step by mistake is taken as given, and the next
+    evaluations at the training's real steps are still accepted."""
+    with Monitor(GuardConfig(console=False), run_dir=tmp_path) as monitor:
+        for step in range(3):
+            monitor.observe(step, loss=2.0)
+        monitor.evaluate(10**6, {"val_loss": 2.0})
+        monitor.evaluate(3, {"val_loss": 2.0})
+        with pytest.raises(TrainguardError, match="must not go back"):
+            monitor.evaluate(1, {"val_loss": 2.0})
+
+
+def test_decline_shares_over_one_are_refused():
+    for section, field in (("eval_decline", "min_rel_decline"), ("token_accuracy", "min_drop")):
+        with pytest.raises(TrainguardError, match=f"{section}.{field}"):
+            GuardConfig.from_dict({section: {field: 2}})

@@ -232,7 +232,7 @@ class EvalDeclineConfig(_Section):
         5.0, gt=0, description="Decline over the best, in the evaluation's own noise."
     )
     min_rel_decline: float = Field(
-        0.01, ge=0, description="Least decline over the best, relative to the best."
+        0.01, ge=0, le=1, description="Least decline over the best, relative to the best."
     )
     train_window: int = Field(
         256, ge=1, description="Latest training losses whose median is the train loss level."
@@ -248,7 +248,10 @@ class TokenAccuracyConfig(_Section):
     warmup: int = Field(16, ge=4, description="Values seen before the range is judged.")
     mad_sigmas: float = Field(6.0, gt=0, description="Robust deviations under the median.")
     min_drop: float = Field(
-        0.02, ge=0, description="Least drop under the median that is out of range (absolute)."
+        0.02,
+        ge=0,
+        le=1,
+        description="Least drop under the median that is out of range (absolute).",
     )
 
 

@@ -37,7 +37,7 @@ from trainguard.distributed.reduce import ReduceExchange
 from trainguard.distributed.replicas import ReplicaFingerprint
 from trainguard.events import Decision, Event, EventKind, TrainguardError
 from trainguard.moe.routing import RoutingStats
-from trainguard.monitor import Monitor
+from trainguard.monitor import Monitor, checked_token_accuracy
 from trainguard.policy import StepPolicy
 from trainguard.recorder import action_counts, report
 from trainguard.recovery import Recovery
@@ -312,6 +312,7 @@ class Guard(Monitor):
         feeds the routing-collapse detector; `token_accuracy` (a share of tokens, a tensor or a
         float) replaces the one the precursor probe measures on its sampled steps."""
         parts = self._trainer("guard.step")
+        token_accuracy = checked_token_accuracy(token_accuracy)
         step = self.global_step
         self.recovery.remember_position(step)
         # measure (on the device), exchange (one collective), clip, then one host transfer

@@ -95,7 +95,7 @@ class Monitor:
             lr=None if lr is None else float(lr),
             loss_scale=None if loss_scale is None else float(loss_scale),
             group_grad_norms=group_grad_norms,
-            token_accuracy=None if token_accuracy is None else float(token_accuracy),
+            token_accuracy=_as_float(checked_token_accuracy(token_accuracy)),
             precursors=_precursors(precursors),
         )
         decision, events = self._decide(point, batch_ids)
@@ -123,7 +123,9 @@ class Monitor:
                 f"evaluation at step {step} after one at step {self._last_evaluation}: "
                 "evaluation steps must not go back; pass the training step each was made at"
             )
-        self._last_evaluation = step
+        # a step past the training's (an epoch or sample count passed by mistake) is taken as
+        # it is, but later evaluations are held only to the training step, not refused
+        self._last_evaluation = min(step, self.global_step) if self.global_step else step
         events: list[Event] = []
         for name, value in named.items():
             point = EvalPoint.of(step, name, value)
@@ -334,6 +336,24 @@ def _evaluation_number(value: object) -> float | None:
     return None
 
 
+def checked_token_accuracy(value: object) -> torch.Tensor | float | None:
+    """A token accuracy as passed to `step` or `observe`: None, a one-element tensor (left on
+    the device), or a number in [0, 1]; anything else is a one-line error."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        return value
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        share = float(value)
+        if 0.0 <= share <= 1.0:
+            return share
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    raise TrainguardError(
+        f"token_accuracy={shown} ({type(value).__name__}): pass the share of tokens whose argmax "
+        "is the target, a number in [0, 1] or a one-element tensor (the mean over the batch)"
+    )
+
+
 def _precursors(given: dict[str, dict[str, float]] | None) -> dict[str, dict[str, float]] | None:
     """Precursors passed to `observe`, as plain floats (a one-line error where malformed)."""
     if given is None:
@@ -348,3 +368,7 @@ def _precursors(given: dict[str, dict[str, float]] | None) -> dict[str, dict[str
             "observe(precursors=...) takes {signal: {layer: number}}, such as "
             "{'max_logit': {'0': 12.5}}"
         ) from None
+
+
+def _as_float(value: torch.Tensor | float | None) -> float | None:
+    return None if value is None else float(value)

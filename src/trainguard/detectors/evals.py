@@ -16,8 +16,8 @@ from trainguard.detectors.stats import MAD_TO_SIGMA, median
 from trainguard.events import Event, EventKind
 
 ADVICE = (
-    "run a cooldown on high-quality data, lower the LR, or check the annealing data mix "
-    "(too much of one source)"
+    "in pre-training run a cooldown on high-quality data, lower the LR, or check the annealing "
+    "data mix (too much of one source); in a fine-tune stop early or keep the best checkpoint"
 )
 RECOVERED = 0.5  # an episode ends once the decline is under this share of the rule's bar
 
@@ -129,7 +129,7 @@ class EvalDeclineDetector(Detector):
             f"best {fmt(value_best)} at steps {int(rows[b][0])}-{int(rows[b + 1][0])} "
             f"({100 * relative:.1f}% worse, {gap / noise if noise else math.inf:.1f}x its noise) "
             f"while the training loss still falls ({fmt(train_best)} -> {fmt(train_now)}): "
-            f"the model is forgetting; {ADVICE}"
+            f"the model is forgetting or overfitting; {ADVICE}"
         )
         metrics = {
             "name": name,

@@ -50,7 +50,7 @@ from trainguard.events import Decision, Event, EventKind, TrainguardError
 from trainguard.guard import Guard, _point_from_signals
 from trainguard.integrations import _deepspeed_private as private
 from trainguard.moe.routing import RoutingStats
-from trainguard.monitor import Monitor
+from trainguard.monitor import Monitor, checked_token_accuracy
 from trainguard.recovery import Recovery
 from trainguard.signals.gradients import FIRST_NONFINITE, Measurement, StepSignals
 from trainguard.sinks import Sink
@@ -369,6 +369,7 @@ class DeepSpeedGuard(Guard):
         given = [name for name, value in unsupported.items() if value is not None]
         if given:
             raise TrainguardError(f"DeepSpeedGuard.step does not take {', '.join(given)}")
+        token_accuracy = checked_token_accuracy(token_accuracy)
         engine = self.engine
         if not self._micro_losses:  # the first micro-batch of this step
             self.recovery.remember_position(self.global_step)
