@@ -415,6 +415,11 @@ def test_the_report_draws_a_panel_per_evaluation_with_the_decline_marked(tmp_pat
     assert marker["x"] == [event["step"]] and marker["y"] == [event["metrics"]["value"]]
     (curve,) = [t for t in figure["data"] if t.get("name") == "val loss"]
     assert marker["yaxis"] == curve["yaxis"] != "y"  # on the evaluation's panel, not the loss's
+    # its card judges no outcome by the training loss (which falls, by the rule)
+    from trainguard.sinks.html_report import _cards
+
+    cards = _cards(record, incidents_of(record.events), final_types(record.events))
+    assert "eval_decline" in cards and "<dt>outcome</dt>" not in cards
 
 
 def test_the_console_tensorboard_and_prometheus_sinks_show_evaluations(tmp_path):

@@ -601,7 +601,8 @@ def _card(
     acts = _distinct([str(r.get("message", "")) for r in related if r["kind"] in ACTS])
     if taken or acts:
         rows.append(("action", "<br>".join(esc(a) for a in [", ".join(taken), *acts] if a)))
-    rows.append(("outcome", esc(_outcome(record, step, last))))
+    if not all(str(e.get("kind")) in NOT_BY_LOSS for e in incident.events):
+        rows.append(("outcome", esc(_outcome(record, step, last))))
     body = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in rows)
     sev = esc(str(primary.get("severity")))
     what = str(primary["kind"]).replace("_", " ")
@@ -643,6 +644,10 @@ def _diagnosis(events: list[dict[str, Any]], related: list[dict[str, Any]]) -> s
                 )
             parts.append(f"samples that carry it:<ul>{''.join(items)}</ul>")
     return "<br>".join(_distinct(parts))
+
+
+# incidents the training loss cannot tell the outcome of: it falls while an evaluation declines
+NOT_BY_LOSS = frozenset({"eval_decline", "token_accuracy"})
 
 
 def _outcome(record: RunRecord, step: int, last: int | None = None) -> str:
