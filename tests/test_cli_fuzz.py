@@ -258,7 +258,7 @@ FIXED: list[tuple[str, Callable[[Path], list[str | Path]], int, str]] = [
     ("yaml-5001-digits", _file("c.yaml", "window: " + "9" * 5001, "config", "{f}"), 2, "digits"),
     ("config-list", _file("c.yaml", "- a\n", "config", "{f}"), 2, "not a list"),
     ("config-string", _file("c.yaml", "hello", "config", "{f}"), 2, "not a string"),
-    ("config-unknown-key", _file("c.yaml", "nope: 1", "config", "{f}"), 2, "nope: Extra inputs"),
+    ("config-unknown-key", _file("c.yaml", "nope: 1", "config", "{f}"), 2, "nope: no such setting"),
     ("config-wrong-type", _file("c.toml", "[stall]\nwindow = 'x'", "config", "{f}"), 2, "window"),
     ("config-newline-key", _file("c.yaml", '"a\\nb": 1', "config", "{f}"), 2, "'a\\nb'"),
     ("analyze-config-shape", _file("c.yaml", "[1]", "analyze", "x", "--config", "{f}"), 2, "list"),

@@ -99,3 +99,16 @@ def test_a_guard_takes_a_mapping_or_a_path_and_refuses_anything_else(tmp_path: P
     assert "\n" not in str(bad.value)
     with pytest.raises(ConfigError, match=r"config must be a GuardConfig, a mapping .* not a list"):
         tg.Monitor(config=[1, 2], run_dir=tmp_path / "d")  # type: ignore[arg-type]
+
+
+def test_an_unknown_setting_is_named_with_the_closest_known_one() -> None:
+    with pytest.raises(ConfigError) as caught:
+        GuardConfig.from_dict({"eval_decline": {"noise_sigma": 3}})
+    assert str(caught.value) == (
+        "config: eval_decline.noise_sigma: no such setting (did you mean 'noise_sigmas'?); "
+        "fix that field or remove it"
+    )
+    with pytest.raises(ConfigError, match=r"precursors\.preempt\.action: .*'actions'"):
+        GuardConfig.from_dict({"precursors": {"preempt": {"action": ["lr_cut"]}}})
+    with pytest.raises(ConfigError, match=r"loss_spike\.zzz: no such setting; fix"):
+        GuardConfig.from_dict({"loss_spike": {"zzz": 1}})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import sys
@@ -859,8 +860,11 @@ class GuardConfig(_Section):
             first = exc.errors()[0]
             where = ".".join(_printable(p) for p in first["loc"]) or "(top level)"
             more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+            what = first["msg"]
+            if first["type"] == "extra_forbidden":
+                what = "no such setting" + _did_you_mean(cls, first["loc"])
             raise ConfigError(
-                f"{source}: {where}: {first['msg']}{more}; fix that field or remove it"
+                f"{source}: {where}: {what}{more}; fix that field or remove it"
             ) from None
 
     @classmethod
@@ -961,6 +965,18 @@ def _nesting_bound(text: str) -> int:
     if not opens.any():
         return 0
     return int(np.cumsum(opens[opens | closes].astype(np.int64) * 2 - 1).max())
+
+
+def _did_you_mean(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    """ " (did you mean X?)" for an unknown key at `loc`, X the closest setting of its section."""
+    for key in loc[:-1]:
+        field = model.model_fields.get(str(key))
+        section = field.annotation if field is not None else None
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            return ""
+        model = section
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _printable(key: Any) -> str:
