@@ -216,6 +216,8 @@ class Guard(Monitor):
                     )
         if isinstance(token_accuracy, torch.Tensor):
             measurement.token_accuracy = token_accuracy.detach().float().reshape(1)
+        elif token_accuracy is not None:
+            measurement.given_token_accuracy = float(token_accuracy)
 
     def _arm_probe(self) -> None:
         """Hook the next step's forward where it is a sampled step."""
@@ -332,8 +334,6 @@ class Guard(Monitor):
             )
         parts.actions.clip(parts.stats.params, measurement.total_norm)
         signals = parts.stats.resolve(measurement)
-        if token_accuracy is not None and not isinstance(token_accuracy, torch.Tensor):
-            signals.token_accuracy = float(token_accuracy)
         point = _point_from_signals(step, signals)
         self._check_replicas(point)
         if routing is not None:

@@ -311,9 +311,8 @@ def _evaluation_values(step: int, values: object) -> dict[str, float]:
             )
         number = _evaluation_number(value)
         if number is None:
-            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
             raise TrainguardError(
-                f"guard.evaluate at step {step}: evaluation {name!r} is {shown} "
+                f"guard.evaluate at step {step}: evaluation {name!r} is {_shown(value)} "
                 f"({type(value).__name__}), not a number; pass a float, such as {EXAMPLE}"
             )
         named[name] = number
@@ -347,10 +346,10 @@ def checked_token_accuracy(value: object) -> torch.Tensor | float | None:
         share = float(value)
         if 0.0 <= share <= 1.0:
             return share
-    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
     raise TrainguardError(
-        f"token_accuracy={shown} ({type(value).__name__}): pass the share of tokens whose argmax "
-        "is the target, a number in [0, 1] or a one-element tensor (the mean over the batch)"
+        f"token_accuracy={_shown(value)} ({type(value).__name__}): pass the share of tokens "
+        "whose argmax is the target, a number in [0, 1] or a one-element tensor (the mean over "
+        "the batch)"
     )
 
 
@@ -372,3 +371,9 @@ def _precursors(given: dict[str, dict[str, float]] | None) -> dict[str, dict[str
 
 def _as_float(value: torch.Tensor | float | None) -> float | None:
     return None if value is None else float(value)
+
+
+def _shown(value: object) -> str:
+    """`repr(value)` cut to 40 characters, for a one-line error."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -394,8 +394,6 @@ class DeepSpeedGuard(Guard):
                 checkpoint_due=checkpoint_due,
             )
         signals = self.gradients.resolve(measurement)
-        if token_accuracy is not None and not isinstance(token_accuracy, torch.Tensor):
-            signals.token_accuracy = float(token_accuracy)
         point = _point_from_signals(step, signals)
         self._check_replicas(point)  # before the engine steps: the weights this step used
         if self.exchange is not None:

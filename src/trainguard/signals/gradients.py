@@ -92,6 +92,7 @@ class Measurement:
     precursors: torch.Tensor | None = None
     precursor_names: list[tuple[str, str]] = field(default_factory=list)
     token_accuracy: torch.Tensor | None = None
+    given_token_accuracy: float | None = None  # passed in as a number: replaces the packed one
 
     @property
     def packed(self) -> torch.Tensor:
@@ -118,6 +119,8 @@ class Measurement:
         if self.token_accuracy is not None:
             accuracy = values[pos]
             signals.token_accuracy = accuracy if math.isfinite(accuracy) else None
+        if self.given_token_accuracy is not None:
+            signals.token_accuracy = self.given_token_accuracy
 
     def rank_figures(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's loss and non-finite gradient count, for the per-step exchange."""
