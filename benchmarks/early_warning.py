@@ -25,6 +25,7 @@ import math
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +49,18 @@ SPIKE_RISE = 0.05  # a loss spike: the loss's EMA 5% over its lowest so far
 SPIKE_EMA = 0.05  # a 20-step mean: at 0.1, batch noise alone crossed 5% late in long runs
 SAVED_WITHIN = 0.02
 LEAD_AHEAD = 20
-# the preemptive settings tried on the tuning seed (max-logit clipping alone, `qk_rescale`,
-# changed nothing on the 500-step sweep: its diverging runs ended at 2.87 against 2.84 watched)
+# the preemptive settings tried on the tuning seed: every LR cut holds (the LR stays at or under
+# its cut value while a warmup would raise it) and `qk_rescale` keeps clipping every layer's max
+# logit after the first warning (once per warning, it changed nothing on the 500-step sweep)
 VARIANTS: dict[str, dict[str, Any]] = {
-    "qk_rescale+lr_cut": {"actions": ["qk_rescale", "lr_cut"], "lr_factor": 0.7},
+    "qk_rescale+lr_cut 0.5": {"actions": ["qk_rescale", "lr_cut"], "lr_factor": 0.5},
     "qk_rescale+lr_cut 0.3": {"actions": ["qk_rescale", "lr_cut"], "lr_factor": 0.3},
     "qk_rescale+lr_cut 0.1": {"actions": ["qk_rescale", "lr_cut"], "lr_factor": 0.1},
-    "qk_rescale+lr_cut 0.03": {"actions": ["qk_rescale", "lr_cut"], "lr_factor": 0.03},
     "lr_cut 0.3": {"actions": ["lr_cut"], "lr_factor": 0.3},
 }
+ORACLE = "oracle"  # no guard: the seed's best stable LR schedule from the first warning's step on
+COLLAPSED = 0.1  # nats: a layer's attention entropy under this at the end is collapsed (one-hot)
+CACHE_VERSION = 2  # runs of earlier code (cuts that did not hold, one rescale a warning) differ
 LOSS_KINDS = ("loss_spike", "divergence", "grad_explosion", "grad_spike", "oscillation", "stall")
 
 
@@ -166,7 +170,68 @@ def train(
                 metrics = {k: v for k, v in e.metrics.items() if isinstance(v, (int, float, str))}
                 events.append({"step": e.step, "kind": e.kind, "metrics": metrics})
     seconds = time.perf_counter() - started
-    return {"losses": losses, "events": events, "samples": samples, "seconds": seconds}
+    return {
+        "losses": losses,
+        "events": events,
+        "samples": samples,
+        "seconds": seconds,
+        "final_entropy": attention_entropy(model, corpus),
+    }
+
+
+def train_oracle(
+    lr: float, seed: int, steps: int, warmup: float, switch_at: int, best_lr: float
+) -> dict[str, Any]:
+    """The same run with no guard, switched at `switch_at` to the schedule of `best_lr` (with
+    the guard's clipping at 1.0): the best any LR action taken at that step could do."""
+    torch.manual_seed(seed)
+    corpus = TextCorpus.load()
+    model = LM(corpus.vocab_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    base = schedule(steps, warmup)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: base(s) * (best_lr / lr if s >= switch_at else 1.0)
+    )
+    losses: list[float] = []
+    for batch in corpus.batches(BATCH, SEQ, steps, seed=100 + seed):
+        logits = model(batch.x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "events": [], "samples": [], "seconds": 0.0}
+
+
+@torch.no_grad()
+def attention_entropy(model: LM, corpus: TextCorpus) -> dict[str, float]:
+    """Each layer's mean causal attention entropy (nats) on a fixed batch, computed here rather
+    than by the guard's probe: whether a run's attention ended collapsed."""
+    model.eval()
+    batch = next(iter(corpus.batches(BATCH, SEQ, 1, seed=999)))
+    x = model.tok(batch.x) + model.pos(torch.arange(batch.x.shape[1]))
+    out: dict[str, float] = {}
+    for i, block in enumerate(model.blocks):
+        h = block.ln1(x)
+        attn = block.attn
+        b, t, _ = h.shape
+        q = attn.q_proj(h).view(b, t, attn.num_heads, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(b, t, attn.num_heads, attn.head_dim).transpose(1, 2)
+        logits = (q @ k.transpose(-1, -2)) / math.sqrt(attn.head_dim)
+        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        p = torch.softmax(logits.masked_fill(mask, -math.inf), dim=-1)
+        entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
+        out[str(i)] = float(entropy.mean())
+        x = block(x)
+    model.train()
+    return out
+
+
+def collapsed(run: dict[str, Any]) -> bool:
+    """Whether some layer's attention ended collapsed to (nearly) one token."""
+    return min(run["final_entropy"].values()) < COLLAPSED
 
 
 def spike_step(losses: list[float]) -> int | None:
@@ -219,6 +284,20 @@ def first_of(run: dict[str, Any], kinds: tuple[str, ...]) -> int | None:
     return min(steps) if steps else None
 
 
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)  # attention collapsed to one token leaves denormals
+
+
+def job(
+    arm: str, lr: float, seed: int, steps: int, warmup: float, every: int, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """One run of an arm: watched (`base`), a preemptive setting, or the oracle."""
+    if arm == ORACLE:
+        return train_oracle(lr, seed, steps, warmup, extra["switch_at"], extra["best_lr"])
+    return train(lr, seed, steps, VARIANTS.get(arm), warmup, every)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1500)
@@ -230,37 +309,67 @@ def main() -> None:
     )
     parser.add_argument("--cache", type=Path, default=Path("benchmarks/.early_warning.json"))
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (one thread each)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)  # attention collapsed to one token leaves denormals
+    _one_thread()
     cache: dict[str, Any] = json.loads(args.cache.read_text()) if args.cache.exists() else {}
 
-    def run(arm: str, lr: float, seed: int) -> dict[str, Any]:
-        key = f"{arm}|{lr:.6g}|{seed}|{args.steps}"
+    def key(arm: str, lr: float, seed: int) -> str:
+        k = f"v{CACHE_VERSION}|{arm}|{lr:.6g}|{seed}|{args.steps}"
         if args.warmup != WARMUP_SHARE:
-            key += f"|warmup {args.warmup:g}"
+            k += f"|warmup {args.warmup:g}"
         if args.every != EVERY:
-            key += f"|every {args.every}"
-        if key not in cache:
-            result = train(lr, seed, args.steps, VARIANTS.get(arm), args.warmup, args.every)
-            cache[key] = result
-            args.cache.write_text(json.dumps(cache))
-            print(f"{key}: {result['seconds']:.0f}s", file=sys.stderr, flush=True)
-        out: dict[str, Any] = cache[key]
+            k += f"|every {args.every}"
+        return k
+
+    def ensure(wanted: list[tuple[str, float, int, dict[str, Any]]]) -> None:
+        """Run the wanted runs the cache lacks, `--jobs` at a time."""
+        missing = [w for w in wanted if key(*w[:3]) not in cache]
+        if not missing:
+            return
+        with ProcessPoolExecutor(args.jobs, initializer=_one_thread) as pool:
+            futures = {
+                pool.submit(job, arm, lr, seed, args.steps, args.warmup, args.every, extra): (
+                    arm,
+                    lr,
+                    seed,
+                )
+                for arm, lr, seed, extra in missing
+            }
+            for future in as_completed(futures):
+                k = key(*futures[future])
+                cache[k] = future.result()
+                args.cache.write_text(json.dumps(cache))
+                print(f"{k}: {cache[k]['seconds']:.0f}s", file=sys.stderr, flush=True)
+
+    def run(arm: str, lr: float, seed: int) -> dict[str, Any]:
+        out: dict[str, Any] = cache[key(arm, lr, seed)]
         return out
 
     seeds = TUNE_SEEDS + REPORT_SEEDS
+    ensure([("base", lr, s, {}) for s in seeds for lr in LRS])
     base = {(lr, s): run("base", lr, s) for s in seeds for lr in LRS}
     warned = [k for k, r in base.items() if warnings(r)]
     diverging = {k for k, r in base.items() if spike_step(r["losses"]) is not None}
-    best = {
-        s: min(
-            final_loss(r["losses"])
-            for (lr, seed), r in base.items()
-            if seed == s and (lr, s) not in diverging
-        )
+    stable = {k for k, r in base.items() if k not in diverging and not collapsed(r)}
+    best_run = {
+        s: min((k for k in stable if k[1] == s), key=lambda k: final_loss(base[k]["losses"]))
         for s in seeds
     }
+    best = {s: final_loss(base[k]["losses"]) for s, k in best_run.items()}
+    to_save = sorted(k for k in diverging if k in warned)
+    ensure(
+        [(arm, lr, s, {}) for arm in VARIANTS for lr, s in to_save if s in TUNE_SEEDS]
+        + [
+            (
+                ORACLE,
+                lr,
+                s,
+                {"switch_at": int(warnings(base[(lr, s)])[0]["step"]), "best_lr": best_run[s][0]},
+            )
+            for lr, s in to_save
+        ]
+    )
 
     def saved(arm: str, seeds_: tuple[int, ...]) -> tuple[int, int, list[str], float]:
         rows, n, total, ends = [], 0, 0, []
@@ -272,19 +381,23 @@ def main() -> None:
             ok = spike_step(r["losses"]) is None and end <= (1 + SAVED_WITHIN) * best[s]
             n += ok
             acts = [e for e in r["events"] if e["kind"] == "preemption"]
+            oracle = f"{final_loss(run(ORACLE, lr, s)['losses']):.3f}" if (lr, s) in warned else "-"
             rows.append(
                 f"| {lr:.3g} | {s} | {final_loss(base[(lr, s)]['losses']):.3f} | "
-                f"{end:.3f} | {best[s]:.3f} | {len(acts)} | {'yes' if ok else 'no'} |"
+                f"{end:.3f} ({end / best[s] - 1:+.1%}) | {oracle} | {best[s]:.3f} | "
+                f"{len(acts)} | {'yes' if ok else 'no'} |"
             )
         return n, total, rows, statistics.mean(ends) if ends else math.inf
 
     tuned = {arm: saved(arm, TUNE_SEEDS) for arm in VARIANTS}
     # the most diverging runs saved; on a tie, the lowest mean final loss of those runs
     chosen = max(VARIANTS, key=lambda a: (tuned[a][0], -tuned[a][3]))
-    reported = saved(chosen, REPORT_SEEDS)
     false_warned = sorted(k for k in warned if k not in diverging and k[1] in REPORT_SEEDS)
+    ensure([(chosen, lr, s, {}) for lr, s in to_save + false_warned if s in REPORT_SEEDS])
+    reported = saved(chosen, REPORT_SEEDS)
     on_stable = {k: run(chosen, *k) for k in false_warned}
-    body = report(base, diverging, best, tuned, chosen, reported, on_stable, args)
+    oracle = {k: final_loss(run(ORACLE, *k)["losses"]) for k in to_save}
+    body = report(base, diverging, stable, best, tuned, chosen, reported, on_stable, oracle, args)
     print(body)
     if not args.no_write:
         write_section(
@@ -299,11 +412,13 @@ def main() -> None:
 def report(
     base: dict[tuple[float, int], dict[str, Any]],
     diverging: set[tuple[float, int]],
+    stable: set[tuple[float, int]],
     best: dict[int, float],
     tuned: dict[str, tuple[int, int, list[str], float]],
     chosen: str,
     reported: tuple[int, int, list[str], float],
     on_stable: dict[tuple[float, int], dict[str, Any]],
+    oracle: dict[tuple[float, int], float],
     args: argparse.Namespace,
 ) -> str:
     """The figures as markdown."""
@@ -319,16 +434,25 @@ def report(
         f"{', '.join(map(str, REPORT_SEEDS))} are reported. A loss spike: the loss's EMA "
         f"({SPIKE_EMA}) {SPIKE_RISE:.0%} over its lowest so far; a run is saved when it has "
         f"none and ends (mean of the last 50 losses) within {SAVED_WITHIN:.0%} of its seed's "
-        "best stable run. Only warned runs are rerun with the actions on (a run with no "
-        "warning takes no action: the same run).",
+        "best stable run. A run is stable when its loss never spikes and no layer's attention "
+        f"ended collapsed (mean entropy under {COLLAPSED} nats on a fixed batch, measured by the "
+        "benchmark, not the probe); a run with no spike whose attention collapsed is counted "
+        "apart. Only warned runs are rerun with the actions on (a run with no warning takes no "
+        "action: the same run). The oracle: the same run without a guard, switched at its first "
+        "warning's step to the schedule of its seed's best stable LR, the best any LR action "
+        "taken at the warning could do.",
         "",
     ]
     rdiv = sorted(k for k in diverging if k[1] in REPORT_SEEDS)
-    rstable = sorted(k for k in base if k[1] in REPORT_SEEDS and k not in diverging)
+    rstable = sorted(k for k in stable if k[1] in REPORT_SEEDS)
+    rquiet = sorted(k for k in base if k[1] in REPORT_SEEDS and k not in diverging)
+    rcollapsed = sorted(k for k in rquiet if k not in stable)
     rleads = [lead(base[k]) for k in rdiv]
     rgot = [x for x in rleads if x is not None]
     rahead = sum(x >= LEAD_AHEAD for x in rgot)
     rfalse = sum(bool(warnings(base[k])) for k in rstable)
+    rfalse_loss = sum(bool(warnings(base[k])) for k in rquiet)
+    rcaught = sum(bool(warnings(base[k])) for k in rcollapsed)
     n_saved, n_div = reported[0], reported[1]
 
     def verdict(ok: bool) -> str:
@@ -343,15 +467,20 @@ def report(
         f"| >= 100 | {verdict(median >= 100)} |",
         f"| diverging runs warned >= {LEAD_AHEAD} steps ahead | {rahead} of {len(rdiv)} "
         f"| >= 80% | {verdict(bool(rdiv) and rahead >= 0.8 * len(rdiv))} |",
-        f"| false warnings on stable runs | {rfalse} of {len(rstable)} runs | <= 1 "
-        f"| {verdict(rfalse <= 1)} |",
+        f"| false warnings on stable runs (no spike, attention intact) | {rfalse} of "
+        f"{len(rstable)} runs | <= 1 | {verdict(rfalse <= 1)} |",
+        f"| the same, counting runs by the loss alone (a collapsed run with no spike as "
+        f"stable) | {rfalse_loss} of {len(rquiet)} runs | <= 1 | {verdict(rfalse_loss <= 1)} |",
+        f"| runs whose attention collapsed without a loss spike, warned | {rcaught} of "
+        f"{len(rcollapsed)} | | |",
         f"| diverging runs saved by `{chosen}` | {n_saved} of {n_div} | >= 70% "
         f"| {verdict(bool(n_div) and n_saved >= 0.7 * n_div)} |",
         "",
     ]
     for split, seeds in (("tuning", TUNE_SEEDS), ("report", REPORT_SEEDS)):
         div = sorted(k for k in diverging if k[1] in seeds)
-        stable = sorted(k for k in base if k[1] in seeds and k not in diverging)
+        quiet = sorted(k for k in base if k[1] in seeds and k not in diverging)
+        ok_runs = [k for k in quiet if k in stable]
         leads = []
         loss_leads = []
         for k in div:
@@ -361,18 +490,26 @@ def report(
             first = first_of(base[k], LOSS_KINDS)
             loss_leads.append(None if first is None else spike - first)
         got = [x for x in leads if x is not None]
-        false = [k for k in stable if warnings(base[k])]
+        false = [k for k in ok_runs if warnings(base[k])]
+        lost = [k for k in quiet if k not in stable]
         never_reached = sum(not reached_critical(base[k], warnings(base[k])[0]) for k in false)
         lines.append(
             f"**{split} seeds {', '.join(map(str, seeds))}**: {len(div)} diverging runs of "
-            f"{len(div) + len(stable)}; precursor lead before the loss spike: median "
+            f"{len(div) + len(quiet)}; precursor lead before the loss spike: median "
             f"{statistics.median(got) if got else 'n/a'} steps, worst "
             f"{min(got) if got else 'n/a'} ({len(got)} of {len(div)} warned at all); warned "
             f">= {LEAD_AHEAD} steps ahead: {sum(x >= LEAD_AHEAD for x in got)} of {len(div)}; "
-            f"stable runs warned (false warnings): {len(false)} of {len(stable)}"
+            f"stable runs warned (false warnings): {len(false)} of {len(ok_runs)}"
             + (f" (LR {', '.join(f'{lr:.3g}' for lr, _ in false)})" if false else "")
             + f", of which {never_reached}"
-            " where the warned signal never reached its critical level"
+            " where the warned signal never reached its critical level; runs with no spike "
+            f"whose attention collapsed: {len(lost)}"
+            + (
+                f" (LR {', '.join(f'{lr:.3g}' for lr, _ in lost)}; "
+                f"{sum(bool(warnings(base[k])) for k in lost)} warned)"
+                if lost
+                else ""
+            )
             + "; the loss-only detectors' first event: "
             + ", ".join("none" if x is None else f"{x:+d}" for x in loss_leads)
             + " steps before the spike."
@@ -384,8 +521,11 @@ def report(
         "loss-only detectors' first event."
     )
     lines.append("")
-    lines.append("| LR | seed | final loss | spike | precursor warning | loss-only detectors |")
-    lines.append("| --- | --- | --- | --- | --- | --- |")
+    lines.append(
+        "| LR | seed | final loss | spike | least attention entropy at the end (nats) "
+        "| precursor warning | loss-only detectors |"
+    )
+    lines.append("| --- | --- | --- | --- | --- | --- | --- |")
     for (lr, s), r in sorted(base.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         w = warnings(r)
         wtxt = (
@@ -398,7 +538,8 @@ def report(
         ltxt = f"{loss_evs[0]['step']}: {loss_evs[0]['kind']}" if loss_evs else "-"
         spike = spike_step(r["losses"])
         lines.append(
-            f"| {lr:.3g} | {s} | {final_loss(r['losses']):.3f} | {spike or '-'} | {wtxt} | {ltxt} |"
+            f"| {lr:.3g} | {s} | {final_loss(r['losses']):.3f} | {spike or '-'} | "
+            f"{min(r['final_entropy'].values()):.2f} | {wtxt} | {ltxt} |"
         )
     lines.append("")
     lines.append(
@@ -415,11 +556,24 @@ def report(
     lines.append(f"**Report seeds, `{chosen}`: {n} of {total} diverging runs saved.**")
     lines.append("")
     lines.append(
-        "| LR | seed | final loss, watched | final loss, preempted | best stable | preemptions "
-        "| saved |"
+        "| LR | seed | final loss, watched | final loss, preempted (over the best) | oracle "
+        "| best stable | preemptions | saved |"
     )
-    lines.append("| --- | --- | --- | --- | --- | --- | --- |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
     lines.extend(rows)
+    lines.append("")
+    for split, seeds in (("tuning", TUNE_SEEDS), ("report", REPORT_SEEDS)):
+        ks = sorted(k for k in oracle if k[1] in seeds)
+        within = [k for k in ks if oracle[k] <= (1 + SAVED_WITHIN) * best[k[1]]]
+        lines.append(
+            f"The oracle on the {split} seeds (no guard; the best stable LR's schedule from the "
+            f"first warning's step on): {len(within)} of {len(ks)} warned diverging runs end "
+            f"within {SAVED_WITHIN:.0%} of the best stable run ("
+            + ", ".join(
+                f"LR {lr:.3g} seed {s}: {oracle[(lr, s)] / best[s] - 1:+.1%}" for lr, s in ks
+            )
+            + ")."
+        )
     lines.append("")
     lines.append(
         f"The stable runs of the report seeds that were warned, again with `{chosen}` (what a "

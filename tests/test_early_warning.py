@@ -18,6 +18,7 @@ from torch import nn
 
 import trainguard as tg
 from trainguard.actions.optimizer_step import OptimizerActions
+from trainguard.actions.preempt import Preemption
 from trainguard.actions.preemptive import PreemptiveActions
 from trainguard.analysis.analyzer import analyze
 from trainguard.analysis.logs import read_log
@@ -190,9 +191,9 @@ SEQ, STEPS, WARMUP = 16, 150, 120
 
 def _train(
     lr: float, preempt: dict[str, Any] | None = None
-) -> tuple[list[float], list[Event], tg.Guard]:
-    """The losses and events of the tiny LM trained under a watching Guard (no skip, no rollback)
-    with the probe on every 5 steps."""
+) -> tuple[list[float], list[Event], tg.Guard, list[float]]:
+    """The losses, events and LRs of the tiny LM trained under a watching Guard (no skip, no
+    rollback) with the probe on every 5 steps."""
     torch.manual_seed(0)
     corpus = TextCorpus.load()
     model = _LM(corpus.vocab_size, SEQ)
@@ -207,28 +208,33 @@ def _train(
     )
     losses: list[float] = []
     events: list[Event] = []
+    lrs: list[float] = []  # the LR each step's update used
     with tg.Guard(model, opt, sched, config=config) as guard:
         for batch in corpus.batches(8, SEQ, STEPS, seed=1):
             logits = model(batch.x)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.y.reshape(-1))
             loss.backward()
+            lrs.append(opt.param_groups[0]["lr"])
             events += guard.step(loss).events
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
-    return losses, events, guard
+    return losses, events, guard, lrs
 
 
 @functools.cache
 def _run(preempt: tuple[str, ...] | None) -> tuple[list[float], list[Event], dict[str, Any]]:
     """The tiny LM at LR 0.6 (its attention logits grow until the loss climbs back), watched
     only or with `preempt` actions, once a session; and what the guard's actions hold after."""
-    losses, events, guard = _train(0.6, None if preempt is None else {"actions": list(preempt)})
+    losses, events, guard, lrs = _train(
+        0.6, None if preempt is None else {"actions": list(preempt)}
+    )
     assert guard.preemption is not None and guard.actions is not None
     held = {
         "lr_scale": guard.actions.lr_scale,
         "rescales": list(guard.preemption.rescales),
         "z_loss": guard.preemption.z_loss_weight,
         "policy": guard.policy.state_dict()["preempted"],
+        "lrs": lrs,
     }
     return losses, events, held
 
@@ -253,7 +259,12 @@ def test_a_tiny_model_at_too_high_an_lr_is_warned_of_before_its_loss_spikes() ->
     assert warnings[0].metrics["signal"] in ("max_logit", "attn_entropy", "block_rms")
     # off by default: nothing touched
     assert not [e for e in events if e.kind == "preemption"]
-    assert held == {"lr_scale": 1.0, "rescales": [], "z_loss": None, "policy": {}}
+    assert {k: v for k, v in held.items() if k != "lrs"} == {
+        "lr_scale": 1.0,
+        "rescales": [],
+        "z_loss": None,
+        "policy": {},
+    }
 
 
 def test_preemptive_actions_switched_on_act_once_a_warning_and_keep_the_run_finite() -> None:
@@ -268,7 +279,13 @@ def test_preemptive_actions_switched_on_act_once_a_warning_and_keep_the_run_fini
     assert len(keys) == len(set(keys))
     lr_cuts = [e for e in taken if e.metrics["action"] == "lr_cut"]
     assert len(lr_cuts) <= len({e.step for e in warnings})
-    assert held["lr_scale"] == 0.5 ** len(lr_cuts)
+    # a cut during the warmup holds: the LR never climbs past its value right after the cut
+    first = lr_cuts[0].step
+    assert first + 1 < WARMUP
+    # (the schedule's LR for step first + 1 is 0.6 * (first + 2) / WARMUP)
+    assert held["lrs"][first + 1] == pytest.approx(0.5 * 0.6 * (first + 2) / WARMUP)
+    assert max(held["lrs"][first + 1 :]) == pytest.approx(held["lrs"][first + 1])
+    assert held["lr_scale"] <= 0.5 ** len(lr_cuts)
     assert len(held["rescales"]) == sum(e.metrics["action"] == "rescale_qk" for e in taken)
     assert held["policy"]  # in the guard's state: a resumed run does not repeat them
     # the guard's own rescale of W_q and W_k is no weight jump (a write outside the optimizer)
@@ -297,10 +314,12 @@ def test_the_policy_preempts_only_when_switched_on_and_once_a_warning() -> None:
         ("qk_rescale", "2"),  # past qk_threshold (25) too; layer 1 (20) is not
     ]
     assert calls[1].factor == 15.0 / 40.0 and calls[0].factor == 0.5
-    # the same warning again (a replayed step): nothing; a restored policy remembers
+    # the same warning again (a replayed step; a restored policy remembers): no second LR cut,
+    # only the clipping of the layers still past qk_threshold (a rollback restored their weights)
     restored = StepPolicy(preempt=PreemptConfig(actions=["qk_rescale", "lr_cut"]))
     restored.load_state_dict(policy.state_dict())
-    assert restored.decide(point, [_warning(500, "0", 40.0)]).preempt == []
+    replayed = restored.decide(point, [_warning(500, "0", 40.0)]).preempt
+    assert [(c.action, c.layer) for c in replayed] == [("qk_rescale", "0"), ("qk_rescale", "2")]
     # a later episode's warning acts again
     later = MetricPoint(900, 2.0, precursors={"max_logit": {"0": 45.0}})
     assert len(restored.decide(later, [_warning(900, "0", 45.0)]).preempt) == 2
@@ -383,3 +402,43 @@ def test_preemptive_actions_that_cannot_be_taken_say_so_and_raise_nothing() -> N
     assert "no attention layer" in events[1].message and "output head" in events[2].message
     bare = PreemptiveActions(None, None, 1e-4).apply(decision)
     assert all(e.metrics["taken"] is False for e in bare)
+
+
+def test_after_a_max_logit_warning_the_policy_keeps_clipping_every_layer_past_threshold() -> None:
+    policy = StepPolicy(preempt=PreemptConfig(actions=["qk_rescale"]))
+    before = MetricPoint(100, 2.0, precursors={"max_logit": {"0": 60.0}})
+    assert policy.decide(before, []).preempt == []  # no warning yet: no clipping
+    first = MetricPoint(200, 2.0, precursors={"max_logit": {"0": 40.0, "1": 10.0}})
+    assert [c.layer for c in policy.decide(first, [_warning(200, "0", 40.0)]).preempt] == ["0"]
+    # later sampled steps, no warning: every layer past qk_threshold (25) is brought to 15
+    later = MetricPoint(250, 2.0, precursors={"max_logit": {"0": 30.0, "1": 50.0, "2": 20.0}})
+    calls = policy.decide(later, []).preempt
+    assert [(c.action, c.layer, c.factor, c.warning_step) for c in calls] == [
+        ("qk_rescale", "0", 15.0 / 30.0, 200),
+        ("qk_rescale", "1", 15.0 / 50.0, 200),
+    ]
+    assert policy.decide(MetricPoint(251, 2.0), []).preempt == []  # an unsampled step
+    skipped = MetricPoint(300, math.nan, precursors={"max_logit": {"0": 90.0}})
+    assert policy.decide(skipped, []).preempt == []  # a skipped step takes none
+    restored = StepPolicy(preempt=PreemptConfig(actions=["qk_rescale"]))
+    restored.load_state_dict(policy.state_dict())
+    assert [c.layer for c in restored.decide(later, []).preempt] == ["0", "1"]
+    # with only an LR cut chosen, nothing is clipped
+    cut_only = StepPolicy(preempt=PreemptConfig(actions=["lr_cut"]))
+    cut_only.decide(first, [_warning(200, "0", 40.0)])
+    assert cut_only.decide(later, []).preempt == []
+
+
+def test_the_clipping_kept_up_after_a_warning_is_an_info_event() -> None:
+    torch.manual_seed(0)
+    model = _LM(11, SEQ)
+    preemption = Preemption(model)
+    calls = [
+        PreemptCall("qk_rescale", "0", "max_logit", 40.0, 0.5, 7),  # the warning's own
+        PreemptCall("qk_rescale", "1", "max_logit", 30.0, 0.5, 3),  # kept up since step 3
+    ]
+    events = PreemptiveActions(None, preemption, 1e-4).apply(
+        Decision(step=7, action="step", preempt=calls)
+    )
+    assert [e.severity for e in events] == ["warning", "info"]
+    assert [r["layer"] for r in preemption.rescales] == ["0", "1"]

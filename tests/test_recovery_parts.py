@@ -145,6 +145,39 @@ def test_a_kept_lr_cut_is_the_ceiling_a_later_rewarm_climbs_back_to():
     assert restored.lr_scale == pytest.approx(0.5) and restored.lr_ceiling == pytest.approx(0.5)
 
 
+def test_a_held_cut_keeps_the_lr_from_climbing_through_a_warmup_then_follows_the_decay():
+    p = nn.Parameter(torch.zeros(1))
+    frozen = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([{"params": [p]}, {"params": [frozen], "lr": torch.tensor(0.3)}], lr=1.0)
+    # a warmup to the peak (1.0) over 10 steps, then a halving every step
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / 10 if s < 10 else 0.5 ** (s - 9)
+    )
+    actions = OptimizerActions(opt, sched, max_grad_norm=None)
+    p.grad, frozen.grad = torch.zeros(1), torch.zeros(1)
+    for _ in range(3):
+        actions.step(0.0)  # schedule: 0.4 after three steps
+    actions.cut_lr(0.5, hold=True)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.2)
+    lrs = []
+    for _ in range(9):
+        actions.step(0.0)
+        lrs.append(opt.param_groups[0]["lr"])
+    # held at 0.2 while the warmup climbs to 1.0; then the decay, from 0.2 at its peak's scale
+    assert lrs == pytest.approx([0.2] * 6 + [0.1, 0.05, 0.025])
+    assert actions.lr_scale == pytest.approx(0.2)
+    assert sched.get_last_lr()[0] == pytest.approx(0.125)  # the scheduler never saw the cut
+    assert isinstance(opt.param_groups[1]["lr"], torch.Tensor)  # a tensor LR: scaled, not read
+    restored = OptimizerActions(opt, sched, max_grad_norm=None)
+    restored.load_state_dict(actions.state_dict())
+    assert actions.lr_hold is not None and actions.lr_hold[0] == pytest.approx(0.2)
+    assert restored.lr_hold == actions.lr_hold and actions.lr_hold[1] is None
+    # a plain cut (recovery's) lets the warmup raise the LR as before
+    plain = OptimizerActions(opt, None, max_grad_norm=None)
+    plain.load_state_dict({k: v for k, v in actions.state_dict().items() if k != "lr_hold"})
+    assert plain.lr_hold is None
+
+
 def test_an_lr_cut_holds_under_a_schedule_the_guard_does_not_step():
     """A Trainer steps its own LambdaLR after each optimizer step, resetting the LR: the cut
     still applies to the LR the optimizer steps with, on top of the schedule's new value."""

@@ -412,13 +412,17 @@ class PreemptConfig(_Section):
     actions: list[Literal["lr_cut", "qk_rescale", "z_loss"]] = Field(
         default_factory=list,
         description="Preemptive actions, each at most once a warning episode a layer: 'lr_cut'"
-        " (the LR x `lr_factor`), 'qk_rescale' (W_q and W_k of the layers past `qk_threshold`"
-        " scaled so their max attention logit is `qk_target`; max_logit warnings only), 'z_loss'"
-        " (z-loss switched on at `z_loss_weight`; log_z warnings only).",
+        " (the LR x `lr_factor`, held there while a warmup would raise it), 'qk_rescale' (W_q"
+        " and W_k of the layers past `qk_threshold` scaled so their max attention logit is"
+        " `qk_target`; on a max_logit warning, then on every sampled step after it: max-logit"
+        " clipping), 'z_loss' (z-loss switched on at `z_loss_weight`; log_z warnings only).",
     )
     lr_factor: float = Field(0.5, gt=0, lt=1, description="'lr_cut' multiplies the LR by this.")
     qk_threshold: float = Field(
-        25.0, gt=0, description="'qk_rescale' rescales the layers whose max logit is over this."
+        25.0,
+        gt=0,
+        description="'qk_rescale' rescales the layers whose max logit is over this (from the"
+        " first max_logit warning on, on every sampled step).",
     )
     qk_target: float = Field(
         15.0, gt=0, description="'qk_rescale' brings a layer's max attention logit down to this."

@@ -25,6 +25,7 @@ class OptimizerActions:
         self.lr_ceiling = 1.0  # the multiplier a re-warm climbs back to (kept cuts lower it)
         self.rewarm_steps = 0  # steps the last cut takes to climb back; 0 keeps it
         self.since_cut = 0  # optimizer steps since then, for the re-warm
+        self.lr_hold: list[float | None] | None = None  # per group: the LR a held cut never passes
         self._schedule_lrs: list[Any] | None = None  # the LR the schedule wants, per group
         self._set: list[Any] | None = None  # the LRs the guard last put in the groups
 
@@ -77,9 +78,11 @@ class OptimizerActions:
         progress = min(1.0, self.since_cut / self.rewarm_steps)
         return self.lr_cut + (self.lr_ceiling - self.lr_cut) * progress
 
-    def cut_lr(self, factor: float, rewarm_steps: int = 0) -> None:
+    def cut_lr(self, factor: float, rewarm_steps: int = 0, hold: bool = False) -> None:
         """Multiply the LR in use by `factor`; it climbs back to where it was before the cuts
-        that were kept over `rewarm_steps` optimizer steps, or stays cut when that is 0."""
+        that were kept over `rewarm_steps` optimizer steps, or stays cut when that is 0. A `hold`
+        cut also keeps the LR from climbing past its new value while the schedule still rises (a
+        warmup): the scale falls as the schedule climbs, and stays there as it decays."""
         if self._schedule_lrs is None:
             self._schedule_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.lr_cut = self.lr_scale * factor
@@ -87,6 +90,12 @@ class OptimizerActions:
             self.lr_ceiling = self.lr_cut
         self.rewarm_steps = rewarm_steps
         self.since_cut = 0
+        if hold:
+            held = [_plain(lr * self.lr_cut) for lr in self._schedule_lrs]
+            self.lr_hold = [
+                h if old is None or h is None else min(h, old)
+                for h, old in zip(held, self.lr_hold or [None] * len(held), strict=True)
+            ]
         self._apply_lr_scale()
 
     def schedule_lrs(self) -> list[Any]:
@@ -99,8 +108,22 @@ class OptimizerActions:
 
     def _apply_lr_scale(self) -> None:
         assert self._schedule_lrs is not None
+        if self.lr_hold is not None:
+            self._keep_under_hold()
         scale = self.lr_scale
         self._set_lrs([lr * scale for lr in self._schedule_lrs])
+
+    def _keep_under_hold(self) -> None:
+        """Lower the kept cut where the schedule climbed so far that the LR in use would pass a
+        held cut's LR."""
+        assert self._schedule_lrs is not None and self.lr_hold is not None
+        for lr, held in zip(self._schedule_lrs, self.lr_hold, strict=False):
+            planned = _plain(lr)
+            if held is None or planned is None or planned <= 0:
+                continue
+            if planned * self.lr_cut > held:
+                self.lr_cut = held / planned
+                self.lr_ceiling = min(self.lr_ceiling, self.lr_cut)
 
     def _set_lrs(self, lrs: list[Any]) -> None:
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
@@ -126,6 +149,7 @@ class OptimizerActions:
             "rewarm_steps": self.rewarm_steps,
             "since_cut": self.since_cut,
             "schedule_lrs": self._schedule_lrs,
+            "lr_hold": self.lr_hold,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -134,6 +158,8 @@ class OptimizerActions:
         self.rewarm_steps = int(state.get("rewarm_steps", 0))
         self.since_cut = int(state["since_cut"])
         self._schedule_lrs = state["schedule_lrs"]
+        hold = state.get("lr_hold")  # earlier: no held cut
+        self.lr_hold = None if hold is None else [None if h is None else float(h) for h in hold]
 
     def skip(self) -> None:
         """Discard this step's gradients; weights, optimizer state and scheduler stay as they are.
@@ -151,3 +177,9 @@ class OptimizerActions:
             self.scheduler.step(loss)
         else:
             self.scheduler.step()
+
+
+def _plain(lr: Any) -> float | None:
+    """A float LR as a float; None for a tensor LR (a held cut leaves those alone rather than
+    reading them back from the device every step)."""
+    return float(lr) if isinstance(lr, (int, float)) else None

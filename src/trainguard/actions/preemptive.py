@@ -4,6 +4,7 @@ after the optimizer step: an LR cut (through `OptimizerActions`), a QK rescale a
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol
 
 from trainguard.actions.optimizer_step import OptimizerActions
@@ -39,7 +40,7 @@ class PreemptiveActions:
     def _take(self, step: int, call: PreemptCall) -> Event:
         why = f"on the {call.signal} warning of {call.layer} at step {call.warning_step}"
         if call.action == "lr_cut" and self.actions is not None and call.factor is not None:
-            self.actions.cut_lr(call.factor)
+            self.actions.cut_lr(call.factor, hold=True)
             return Event(
                 step=step,
                 kind=EventKind.PREEMPTION,
@@ -57,7 +58,9 @@ class PreemptiveActions:
             )
         try:
             if call.action == "qk_rescale" and self.preemption is not None and call.factor:
-                return self.preemption.rescale_qk(step, call.layer, call.factor)
+                event = self.preemption.rescale_qk(step, call.layer, call.factor)
+                # the clipping kept up after the warning's own rescale is routine: info
+                return event if call.warning_step >= step else replace(event, severity="info")
             if call.action == "z_loss" and self.preemption is not None:
                 return self.preemption.enable_z_loss(step, self.z_loss_weight)
         except TrainguardError as exc:  # a layer or head it cannot find: said, not raised

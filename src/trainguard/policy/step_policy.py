@@ -57,6 +57,7 @@ class StepPolicy:
         self.resynced = False  # the last decision gave diverged replicas a copy
         # "action/signal/layer" -> the step of the precursor warning it was taken on
         self.preempted: dict[str, int] = {}
+        self.clipping_from: int | None = None  # the max_logit warning that started the clipping
 
     def decide(
         self,
@@ -119,7 +120,24 @@ class StepPolicy:
                 calls += self._qk_rescales(point, layer, value, e.step)
             if "z_loss" in chosen and signal == "log_z":
                 calls += self._once(PreemptCall("z_loss", layer, signal, value, None, e.step))
+        if any(c.action == "qk_rescale" for c in calls) and self.clipping_from is None:
+            self.clipping_from = point.step
+        elif "qk_rescale" in chosen and self.clipping_from is not None:
+            calls += self._keep_clipped(point, calls)
         return calls
+
+    def _keep_clipped(self, point: MetricPoint, calls: list[PreemptCall]) -> list[PreemptCall]:
+        """Max-logit clipping after the first max_logit warning: every sampled layer whose max
+        logit is past `qk_threshold` again is brought back to `qk_target`, warned or not."""
+        assert self.clipping_from is not None
+        cfg = self.preempt
+        done = {c.layer for c in calls if c.action == "qk_rescale"}
+        logits = (point.precursors or {}).get("max_logit") or {}
+        return [
+            PreemptCall("qk_rescale", name, "max_logit", v, cfg.qk_target / v, self.clipping_from)
+            for name, v in sorted(logits.items())
+            if name not in done and math.isfinite(v) and v > cfg.qk_threshold
+        ]
 
     def _qk_rescales(
         self, point: MetricPoint, layer: str, value: float, step: int
@@ -436,6 +454,7 @@ class StepPolicy:
             "restored_to": self.restored_to,
             "resynced": self.resynced,
             "preempted": dict(self.preempted),
+            "clipping_from": self.clipping_from,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -459,3 +478,5 @@ class StepPolicy:
         self.restored_to = None if restored is None else int(restored)
         self.resynced = bool(state.get("resynced", False))
         self.preempted = {str(k): int(v) for k, v in state.get("preempted", {}).items()}
+        clipping = state.get("clipping_from")  # earlier: no clipping after the warning
+        self.clipping_from = None if clipping is None else int(clipping)
