@@ -28,7 +28,7 @@ from trainguard.detectors.base import MetricPoint
 from trainguard.detectors.precursors import PrecursorWarningDetector, theil_sen
 from trainguard.detectors.series import MetricSeries
 from trainguard.detectors.suite import DetectorSuite
-from trainguard.events import Decision, Event, PreemptCall, TrainguardError
+from trainguard.events import ConfigError, Decision, Event, PreemptCall, TrainguardError
 from trainguard.policy import StepPolicy
 
 EVERY = 50  # steps between sampled steps, the probe's default
@@ -67,6 +67,27 @@ def test_rising_logit_warns_once_with_a_sane_estimate_of_the_steps_left() -> Non
     # a linear extrapolation of an accelerating rise: too long, never too short, within 2x
     assert actual_left <= m["steps_left"] <= 2 * actual_left
     assert "blocks.1" in warning.message and "max_logit" in warning.message
+
+
+def test_a_signal_that_shoots_past_critical_before_the_window_is_full_is_warned_of() -> None:
+    """The first `window` samples hold no trend to read: a logit that goes from far under
+    critical to past it there is warned of after `confirm` samples past it, not after the
+    window."""
+    values = [0.1, 2.0, 8.0, 40.0, 150.0, 230.0, 400.0, 600.0, 900.0]
+    events = _stream(values)
+    assert len(events) == 1
+    (warning,) = events
+    assert warning.step == 6 * EVERY  # the third sample past 100; the window (12) is not full
+    assert "is past its critical level 100" in warning.message
+    assert warning.metrics["steps_left"] == 0 and warning.metrics["slope_per_step"] > 0
+
+
+def test_a_signal_past_critical_from_the_start_does_not_warn() -> None:
+    """A pretrained model's layer whose max logit sits past critical from the first sample, and
+    stays: nothing rose, nothing to warn of."""
+    rng = np.random.default_rng(3)
+    values = [130.0 + 5.0 * rng.standard_normal() for _ in range(60)]
+    assert _stream(values) == []
 
 
 def test_a_noisy_flat_stream_does_not_warn() -> None:
@@ -340,6 +361,15 @@ def test_a_skipped_step_takes_no_preemptive_action() -> None:
 def test_preempt_config_is_checked() -> None:
     with pytest.raises(ValidationError):
         PreemptConfig(actions=["lr_cut", "lr_cut"])
+    # actions that could never run: a one-line error that says which switch is off
+    with pytest.raises(
+        ConfigError,
+        match=r"^config: precursors: preempt.actions \['lr_cut'\] "
+        r"act on precursor warnings, but precursors.warning.enabled is false",
+    ):
+        tg.GuardConfig.of(
+            {"precursors": {"warning": {"enabled": False}, "preempt": {"actions": ["lr_cut"]}}}
+        )
     with pytest.raises(ValidationError):
         PreemptConfig(qk_threshold=10.0, qk_target=20.0)
     with pytest.raises(ValidationError):
@@ -379,7 +409,9 @@ def test_analyze_reads_the_precursors_of_a_guarded_runs_log(tmp_path: Path) -> N
 class _NoLayers:
     """A preemption whose model has no such layer and no head."""
 
-    def rescale_qk(self, step: int, layer: str, factor: float) -> Event:
+    def rescale_qk(
+        self, step: int, layer: str, factor: float, max_logit: float | None = None
+    ) -> Event:
         raise TrainguardError(f"rescale_qk: no attention layer {layer!r}")
 
     def enable_z_loss(self, step: int, weight: float) -> Event:
@@ -398,6 +430,7 @@ def test_preemptive_actions_that_cannot_be_taken_say_so_and_raise_nothing() -> N
     events = PreemptiveActions(OptimizerActions(opt), _NoLayers(), 1e-4).apply(decision)
     assert [e.kind for e in events] == ["preemption"] * 3
     assert opt.param_groups[0]["lr"] == 0.05 and events[0].metrics["lr_scale"] == 0.5
+    assert "the LR 0.1 -> 0.05, held there" in events[0].message
     assert [e.metrics.get("taken", True) for e in events] == [True, False, False]
     assert "no attention layer" in events[1].message and "output head" in events[2].message
     bare = PreemptiveActions(None, None, 1e-4).apply(decision)
@@ -441,4 +474,5 @@ def test_the_clipping_kept_up_after_a_warning_is_an_info_event() -> None:
         Decision(step=7, action="step", preempt=calls)
     )
     assert [e.severity for e in events] == ["warning", "info"]
+    assert "its max logit 40 -> 20" in events[0].message
     assert [r["layer"] for r in preemption.rescales] == ["0", "1"]

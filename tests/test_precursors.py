@@ -604,3 +604,35 @@ def test_adam_eps_ratio_reads_step_counts_kept_on_the_device_alike(
     assert torch.allclose(device.measure(torch.device("cpu")), host, rtol=1e-5)
     v = opt.state[params[0]]["exp_avg_sq"] / (1 - 0.999**3)
     assert float(host[0]) == pytest.approx(float((v.mean() / 1e-14).sqrt()), rel=1e-4)
+
+
+class _UnsizedAttention(nn.Module):
+    """q/k/v projections like Llama's, but no head count anywhere: it cannot be measured."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, d) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        out: torch.Tensor = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out
+
+
+def test_attention_without_a_head_count_is_a_warning_that_says_what_to_set(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Embedding(64, 16), nn.ModuleList([_UnsizedAttention(16)]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = tg.Guard(model, opt, config=_config(every=1), run_dir=tmp_path)
+    guard.close()
+    (note,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if "precursors:" in e["message"]]
+    assert note["severity"] == "warning"
+    assert "the head count of 1.0" in note["message"] and "num_heads or head_dim" in note["message"]
+    # a model with no attention at all is told so quietly (not every model is a transformer)
+    plain = nn.Sequential(nn.Linear(4, 4))
+    tg.Guard(
+        plain, torch.optim.SGD(plain.parameters(), lr=0.1), config=_config(), run_dir=tmp_path / "p"
+    ).close()
+    (quiet,) = [
+        e for e in read_jsonl(tmp_path / "p" / "events.jsonl") if "precursors:" in e["message"]
+    ]
+    assert quiet["severity"] == "info" and "nothing is measured" in quiet["message"]

@@ -485,6 +485,16 @@ class PrecursorsConfig(_Section):
         description="Preemptive actions on a `precursor` warning (none by default).",
     )
 
+    @model_validator(mode="after")
+    def _preempt_needs_warnings(self) -> PrecursorsConfig:
+        if self.preempt.actions and not (self.enabled and self.warning.enabled):
+            off = "precursors.enabled" if not self.enabled else "precursors.warning.enabled"
+            raise ValueError(
+                f"preempt.actions {self.preempt.actions} act on precursor warnings, but {off} "
+                "is false: switch it on or drop the actions"
+            )
+        return self
+
 
 AlertChannel = Literal["webhook", "email", "console"]
 REMOTE_CHANNELS: tuple[AlertChannel, ...] = ("webhook", "email")
@@ -864,7 +874,7 @@ class GuardConfig(_Section):
             first = exc.errors()[0]
             where = ".".join(_printable(p) for p in first["loc"]) or "(top level)"
             more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-            what = first["msg"]
+            what = first["msg"].removeprefix("Value error, ")  # our validators' own words
             if first["type"] == "extra_forbidden":
                 what = "no such setting" + _did_you_mean(cls, first["loc"])
             raise ConfigError(

@@ -35,7 +35,7 @@ from trainguard.diagnosis.step_diagnosis import StepDiagnosis
 from trainguard.distributed import LocalGradNorm, StepExchange, local_grad_norm_hook
 from trainguard.distributed.reduce import ReduceExchange
 from trainguard.distributed.replicas import ReplicaFingerprint
-from trainguard.events import Decision, Event, EventKind, TrainguardError
+from trainguard.events import Decision, Event, EventKind, Severity, TrainguardError
 from trainguard.moe.routing import RoutingStats
 from trainguard.monitor import Monitor, checked_token_accuracy
 from trainguard.policy import StepPolicy
@@ -179,7 +179,9 @@ class Guard(Monitor):
             self.probe.arm(self.global_step)
             missing = self.probe.missing_message()
             if missing is not None:
-                self._publish([self._probe_note(missing)])
+                # attention found but not measurable (no head count): said where the console shows
+                unsized = bool(self.probe.structure.unsized)
+                self._publish([self._probe_note(missing, "warning" if unsized else "info")])
         self.preemption = Preemption(
             model, self.probe.structure if self.probe is not None else None
         )
@@ -189,8 +191,8 @@ class Guard(Monitor):
             cfg.preempt.z_loss_weight,
         )
 
-    def _probe_note(self, message: str) -> Event:
-        return Event(step=self.global_step, kind=EventKind.LINT, severity="info", message=message)
+    def _probe_note(self, message: str, severity: Severity = "info") -> Event:
+        return Event(step=self.global_step, kind=EventKind.LINT, severity=severity, message=message)
 
     def _take_precursors(
         self, step: int, measurement: Measurement, token_accuracy: torch.Tensor | float | None

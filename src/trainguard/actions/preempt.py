@@ -59,10 +59,13 @@ class Preemption:
 
     # -- max-logit clipping ----------------------------------------------------------------------
     @torch.no_grad()
-    def rescale_qk(self, step: int, layer: str, factor: float) -> Event:
+    def rescale_qk(
+        self, step: int, layer: str, factor: float, max_logit: float | None = None
+    ) -> Event:
         """Scale W_q and W_k (with their biases; the q/k slices of a fused projection; the QK-norm
         weights where the layer normalises q and k) of attention layer `layer` by sqrt(factor)
-        each, so its attention logits scale by `factor`."""
+        each, so its attention logits scale by `factor` (its `max_logit`, where given, to
+        max_logit * factor)."""
         if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
             raise TrainguardError(f"rescale_qk needs a finite factor > 0, got {factor!r}")
         try:
@@ -79,7 +82,13 @@ class Preemption:
             severity="warning",
             message=(
                 f"rescaled W_q and W_k of attention layer {site.layer} by sqrt({factor:.4g}) "
-                f"each: its attention logits scale by {factor:.4g} (max-logit clipping)"
+                f"each: its attention logits scale by {factor:.4g}"
+                + (
+                    f", its max logit {max_logit:.4g} -> {max_logit * factor:.4g}"
+                    if max_logit is not None and math.isfinite(max_logit)
+                    else ""
+                )
+                + " (max-logit clipping)"
             ),
             metrics={"action": "rescale_qk", "layer": site.layer, "factor": float(factor)},
         )

@@ -14,7 +14,9 @@ from trainguard.events import Decision, Event, EventKind, PreemptCall, Trainguar
 class QkAndZLoss(Protocol):
     """What the preemptive actions need of the guard's `Preemption`."""
 
-    def rescale_qk(self, step: int, layer: str, factor: float) -> Event: ...
+    def rescale_qk(
+        self, step: int, layer: str, factor: float, max_logit: float | None = None
+    ) -> Event: ...
 
     def enable_z_loss(self, step: int, weight: float) -> Event: ...
 
@@ -40,13 +42,15 @@ class PreemptiveActions:
     def _take(self, step: int, call: PreemptCall) -> Event:
         why = f"on the {call.signal} warning of {call.layer} at step {call.warning_step}"
         if call.action == "lr_cut" and self.actions is not None and call.factor is not None:
+            before = _first_lr(self.actions)
             self.actions.cut_lr(call.factor, hold=True)
             return Event(
                 step=step,
                 kind=EventKind.PREEMPTION,
                 severity="warning",
-                message=f"preemptive LR cut x{call.factor:.3g} {why}; now x"
-                f"{self.actions.lr_scale:.3g} of the schedule",
+                message=f"preemptive LR cut x{call.factor:.3g} {why}: the LR "
+                f"{before:.3g} -> {_first_lr(self.actions):.3g}, held there while the schedule "
+                f"would raise it; now x{self.actions.lr_scale:.3g} of the schedule",
                 metrics={
                     "action": "lr_cut",
                     "layer": call.layer,
@@ -58,7 +62,7 @@ class PreemptiveActions:
             )
         try:
             if call.action == "qk_rescale" and self.preemption is not None and call.factor:
-                event = self.preemption.rescale_qk(step, call.layer, call.factor)
+                event = self.preemption.rescale_qk(step, call.layer, call.factor, call.value)
                 # the clipping kept up after the warning's own rescale is routine: info
                 return event if call.warning_step >= step else replace(event, severity="info")
             if call.action == "z_loss" and self.preemption is not None:
@@ -86,3 +90,8 @@ def _not_taken(step: int, call: PreemptCall, why: str, reason: str) -> Event:
         metrics={"action": call.action, "layer": call.layer, "signal": call.signal, "taken": False},
         action="step",
     )
+
+
+def _first_lr(actions: OptimizerActions) -> float:
+    """The first parameter group's LR in use (read once, on a preemption only)."""
+    return float(actions.optimizer.param_groups[0]["lr"])

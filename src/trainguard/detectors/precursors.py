@@ -23,8 +23,10 @@ SLOWING = 0.5  # a trend whose newer half rises at under this share of its older
 class PrecursorWarningDetector(Detector):
     """Per layer and signal, over the latest `window` samples: the value within `margin` of its
     critical level, a robust trend (Theil-Sen) rising at over `trend_noise` times the noise
-    about it and not slowing, that reaches critical within `horizon` steps; `confirm` samples in
-    a row warn, once an episode (it ends after `window` samples that fail the rules)."""
+    about it and not slowing, that reaches critical within `horizon` steps, or the value past
+    critical after a sample held was outside `margin` of it (even before `window` samples);
+    `confirm` samples in a row warn, once an episode (it ends after `window` samples that fail
+    the rules)."""
 
     name = EventKind.PRECURSOR.value
     _state = ("samples", "streaks", "warned", "quiet", "passed")
@@ -84,6 +86,10 @@ class PrecursorWarningDetector(Detector):
             self.passed[key] = True
             return self._warning(point, signal, layer, value, critical, 0, 0.0, len(held))
         trend = self._trend(held, target)
+        if trend is None and self._arrived_past(held, target):
+            # no trend to read yet (or a jump): the level says it, its `confirm` samples counted
+            trend = (self._slope(held), 0)
+            self.streaks[key] = max(self.streaks.get(key, 0), cfg.confirm - 1)
         if trend is None:
             self.streaks[key] = 0
             self.quiet[key] = self.quiet.get(key, 0) + 1
@@ -124,8 +130,9 @@ class PrecursorWarningDetector(Detector):
         return self.event(
             point,
             "warning",
-            f"{signal} of {layer} at {fmt(value)} {where}; act before the loss moves (lower the "
-            "LR, QK-norm or max-logit clipping for attention logits, z-loss for log Z)",
+            f"{signal} of {_named(layer)} at {fmt(value)} {where}; act before the loss moves "
+            "(lower the LR, QK-norm or max-logit clipping for attention logits, z-loss for log "
+            "Z; precursors.preempt.actions lets the guard act)",
             {
                 "layer": layer,
                 "signal": signal,
@@ -136,6 +143,22 @@ class PrecursorWarningDetector(Detector):
                 "samples": samples,
             },
         )
+
+    def _arrived_past(self, held: list[list[float]], target: float) -> bool:
+        """Whether the latest `confirm` samples are all past critical and an earlier sample
+        held lay outside `margin` of it: it got there within the samples held, whether the
+        trend window is full yet (the first `window` samples of a run) or not."""
+        cfg = self.config
+        latest = held[-cfg.confirm :]
+        if len(held) <= cfg.confirm or any(s[1] < target for s in latest):
+            return False
+        return any(not _near(s[1], target, cfg.margin) for s in held[: -cfg.confirm])
+
+    @staticmethod
+    def _slope(held: list[list[float]]) -> float:
+        """The Theil-Sen slope a step of the samples held."""
+        slope, _ = theil_sen(np.array([s[0] for s in held]), np.array([s[1] for s in held]))
+        return slope
 
     def _trend(self, held: list[list[float]], target: float) -> tuple[float, int] | None:
         """(slope a step, steps left) where the samples meet every rule, else None."""
@@ -162,6 +185,11 @@ class PrecursorWarningDetector(Detector):
         if steps_left > cfg.horizon:
             return None
         return slope, steps_left
+
+
+def _named(layer: str) -> str:
+    """A layer as the message names it: 'layer 1', 'the output'."""
+    return "the output" if layer == "output" else f"layer {layer}"
 
 
 def _towards(signal: str, value: float) -> float:

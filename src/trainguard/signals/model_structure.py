@@ -57,6 +57,7 @@ class ModelStructure:
     attention: list[AttentionSite] = field(default_factory=list)
     blocks: list[tuple[str, nn.Module]] = field(default_factory=list)  # (layer name, block)
     head: nn.Module | None = None
+    unsized: list[str] = field(default_factory=list)  # q/k projections found, no head count
     shift_labels: bool = False  # a causal LM that predicts labels[t + 1] at position t
     uses_rope: bool = False
     missing: list[str] = field(default_factory=list)
@@ -109,13 +110,18 @@ def find_structure(model: nn.Module) -> ModelStructure:
     found.head = _output_head(model)
     found.shift_labels = _is_causal_lm(model)
     found.uses_rope = _uses_rope(model)
+    found.unsized = unsized
+    unsized_note = (
+        f"the head count of {', '.join(unsized)} (q/k projections found: give the module "
+        "num_heads or head_dim, or the model's config num_attention_heads)"
+    )
     if not found.attention:
         found.missing.append(
             "an attention layer (q/k projections, fused qkv, nn.MultiheadAttention)"
-            + (f"; the heads or q/k split of {', '.join(unsized)}" if unsized else "")
+            + (f"; {unsized_note}" if unsized else "")
         )
     elif unsized:
-        found.missing.append(f"the heads or q/k split of {', '.join(unsized)}")
+        found.missing.append(unsized_note)
     if not found.blocks:
         found.missing.append("blocks (a ModuleList of one class)")
     if found.head is None:
