@@ -53,6 +53,7 @@ LEAD_AHEAD = 20
 # its cut value while a warmup would raise it) and `qk_rescale` keeps clipping every layer's max
 # logit after the first warning (once per warning, it changed nothing on the 500-step sweep)
 VARIANTS: dict[str, dict[str, Any]] = {
+    "qk_rescale": {"actions": ["qk_rescale"]},
     "qk_rescale+lr_cut 0.5": {"actions": ["qk_rescale", "lr_cut"], "lr_factor": 0.5},
     "qk_rescale+lr_cut 0.3": {"actions": ["qk_rescale", "lr_cut"], "lr_factor": 0.3},
     "qk_rescale+lr_cut 0.1": {"actions": ["qk_rescale", "lr_cut"], "lr_factor": 0.1},
@@ -60,7 +61,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 ORACLE = "oracle"  # no guard: the seed's best stable LR schedule from the first warning's step on
 COLLAPSED = 0.1  # nats: a layer's attention entropy under this at the end is collapsed (one-hot)
-CACHE_VERSION = 2  # runs of earlier code (cuts that did not hold, one rescale a warning) differ
+# runs of earlier code differ: v1 cuts did not hold and rescaled once a warning; v2 warned of a
+# signal past critical only after the trend window
+CACHE_VERSION = 3
 LOSS_KINDS = ("loss_spike", "divergence", "grad_explosion", "grad_spike", "oscillation", "stall")
 
 
@@ -183,7 +186,7 @@ def train_oracle(
     lr: float, seed: int, steps: int, warmup: float, switch_at: int, best_lr: float
 ) -> dict[str, Any]:
     """The same run with no guard, switched at `switch_at` to the schedule of `best_lr` (with
-    the guard's clipping at 1.0): the best any LR action taken at that step could do."""
+    the guard's clipping at 1.0): what the best LR of the sweep would give from there."""
     torch.manual_seed(seed)
     corpus = TextCorpus.load()
     model = LM(corpus.vocab_size)
@@ -439,8 +442,8 @@ def report(
         "benchmark, not the probe); a run with no spike whose attention collapsed is counted "
         "apart. Only warned runs are rerun with the actions on (a run with no warning takes no "
         "action: the same run). The oracle: the same run without a guard, switched at its first "
-        "warning's step to the schedule of its seed's best stable LR, the best any LR action "
-        "taken at the warning could do.",
+        "warning's step to the schedule of its seed's best stable LR: what the best LR of the "
+        "sweep, had it been known, would give from the warning on.",
         "",
     ]
     rdiv = sorted(k for k in diverging if k[1] in REPORT_SEEDS)
@@ -576,12 +579,12 @@ def report(
         )
     lines.append("")
     lines.append(
-        f"The stable runs of the report seeds that were warned, again with `{chosen}` (what a "
-        "false warning's action costs): "
+        f"The report seeds' warned runs without a loss spike, again with `{chosen}` (what "
+        "acting on a warning costs where the loss never spiked; collapsed runs marked): "
         + (
             ", ".join(
-                f"LR {lr:.3g} seed {s}: {final_loss(base[(lr, s)]['losses']):.3f} -> "
-                f"{final_loss(r['losses']):.3f}"
+                f"LR {lr:.3g} seed {s}{' (collapsed)' if collapsed(base[(lr, s)]) else ''}: "
+                f"{final_loss(base[(lr, s)]['losses']):.3f} -> {final_loss(r['losses']):.3f}"
                 for (lr, s), r in sorted(on_stable.items())
             )
             or "none"
