@@ -40,7 +40,8 @@ class PreemptiveActions:
         return [self._take(decision.step, call) for call in decision.preempt]
 
     def _take(self, step: int, call: PreemptCall) -> Event:
-        why = f"on the {call.signal} warning of {call.layer} at step {call.warning_step}"
+        where = "the output" if call.layer == "output" else f"layer {call.layer}"
+        why = f"on the {call.signal} warning of {where} at step {call.warning_step}"
         if call.action == "lr_cut" and self.actions is not None and call.factor is not None:
             before = _first_lr(self.actions)
             self.actions.cut_lr(call.factor, hold=True)
