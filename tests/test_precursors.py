@@ -626,7 +626,8 @@ def test_attention_without_a_head_count_is_a_warning_that_says_what_to_set(tmp_p
     guard.close()
     (note,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if "precursors:" in e["message"]]
     assert note["severity"] == "warning"
-    assert "the head count of 1.0" in note["message"] and "num_heads or head_dim" in note["message"]
+    assert "q/k split of 1.0 (q/k projections found, no head count" in note["message"]
+    assert "num_heads or head_dim" in note["message"]
     # a model with no attention at all is told so quietly (not every model is a transformer)
     plain = nn.Sequential(nn.Linear(4, 4))
     tg.Guard(

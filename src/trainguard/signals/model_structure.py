@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -48,6 +48,19 @@ class AttentionSite:
     q_norm: nn.Module | None = None
     k_norm: nn.Module | None = None
     transposed: bool = False  # GPT-2's Conv1D keeps its weight as (in, out)
+
+
+NO_HEAD_COUNT = (
+    "q/k projections found, no head count: give the module num_heads or head_dim, or the "
+    "model's config num_attention_heads"
+)
+
+
+class Unread(NamedTuple):
+    """An attention module whose q/k heads could not be read, and why."""
+
+    path: str
+    reason: str
 
 
 @dataclass
@@ -92,13 +105,13 @@ def find_structure(model: nn.Module) -> ModelStructure:
     model = unwrap(model)
     found = ModelStructure()
     config = getattr(model, "config", None)
-    unsized: list[str] = []
+    unread: list[Unread] = []
     for path, module in model.named_modules():
         site = _attention_site(path, module, config)
         if site is None:
             continue
-        if isinstance(site, str):
-            unsized.append(site)
+        if isinstance(site, Unread):
+            unread.append(site)
             continue
         found.attention.append(site)
     found.blocks = _blocks(model, [s.path for s in found.attention])
@@ -110,18 +123,21 @@ def find_structure(model: nn.Module) -> ModelStructure:
     found.head = _output_head(model)
     found.shift_labels = _is_causal_lm(model)
     found.uses_rope = _uses_rope(model)
-    found.unsized = unsized
-    unsized_note = (
-        f"the head count of {', '.join(unsized)} (q/k projections found: give the module "
-        "num_heads or head_dim, or the model's config num_attention_heads)"
+    found.unsized = [u.path for u in unread if u.reason == NO_HEAD_COUNT]
+    reasons: dict[str, list[str]] = {}
+    for u in unread:
+        reasons.setdefault(u.reason, []).append(u.path)
+    unread_note = "; ".join(
+        f"the heads or q/k split of {', '.join(paths)} ({reason})"
+        for reason, paths in reasons.items()
     )
     if not found.attention:
         found.missing.append(
             "an attention layer (q/k projections, fused qkv, nn.MultiheadAttention)"
-            + (f"; {unsized_note}" if unsized else "")
+            + (f"; {unread_note}" if unread else "")
         )
-    elif unsized:
-        found.missing.append(unsized_note)
+    elif unread:
+        found.missing.append(unread_note)
     if not found.blocks:
         found.missing.append("blocks (a ModuleList of one class)")
     if found.head is None:
@@ -180,8 +196,9 @@ def _unique_layers(sites: list[AttentionSite]) -> None:
 # -- attention layers ------------------------------------------------------------------------------
 
 
-def _attention_site(path: str, module: nn.Module, config: object) -> AttentionSite | str | None:
-    """The attention layer `module` is (None: it is none; a string: one whose heads are unknown)."""
+def _attention_site(path: str, module: nn.Module, config: object) -> AttentionSite | Unread | None:
+    """The attention layer `module` is (None: it is none; `Unread`: one whose heads are not
+    read)."""
     if isinstance(module, nn.MultiheadAttention):
         d = module.embed_dim // module.num_heads
         return AttentionSite(
@@ -257,15 +274,17 @@ def _qk_norms(module: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
 
 def _separate(
     path: str, module: nn.Module, q: nn.Module, k: nn.Module, config: object
-) -> AttentionSite | str:
+) -> AttentionSite | Unread:
     owners = (module, getattr(module, "config", None), config)
     q_out, k_out = out_features(q), out_features(k)
     heads = _number(owners, HEADS)
     head_dim = _number(owners, HEAD_DIM)
     if head_dim is None and heads is not None and q_out % heads == 0:
         head_dim = q_out // heads
-    if head_dim is None or q_out % head_dim or k_out % head_dim:
-        return path or "model"
+    if head_dim is None:
+        return Unread(path or "model", NO_HEAD_COUNT)
+    if q_out % head_dim or k_out % head_dim:
+        return Unread(path or "model", f"q/k widths {q_out}, {k_out} not a multiple of {head_dim}")
     q_norm, k_norm = _qk_norms(module)
     return AttentionSite(
         "", path, module, "separate", q, k, q_out // head_dim, k_out // head_dim, head_dim,
@@ -275,19 +294,20 @@ def _separate(
 
 def _fused(
     path: str, module: nn.Module, qkv: nn.Module, config: object, kind: Kind
-) -> AttentionSite | str:
+) -> AttentionSite | Unread:
     owners = (module, getattr(module, "config", None), config)
     transposed = _is_conv1d(qkv)
     total = out_features(qkv, transposed)
     heads = _number(owners, HEADS)
     if heads is None:
-        return path or "model"
+        return Unread(path or "model", NO_HEAD_COUNT)
     kv_heads = _number(owners, KV_HEADS) or heads
     if kind == "interleaved" and kv_heads != heads:
-        return path or "model"  # Falcon's grouped layout: not GPT-NeoX's per-head interleave
+        # Falcon's grouped layout: not GPT-NeoX's per-head interleave
+        return Unread(path or "model", "a grouped q/k/v layout (Falcon's), not read")
     width = heads + 2 * kv_heads
     if total % width:
-        return path or "model"
+        return Unread(path or "model", f"width {total} not a multiple of {width} heads")
     head_dim = total // width
     q_norm, k_norm = _qk_norms(module)
     return AttentionSite(
