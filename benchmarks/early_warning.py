@@ -374,6 +374,8 @@ def main() -> None:
         ]
     )
 
+    oracle = {k: final_loss(run(ORACLE, *k)["losses"]) for k in to_save}
+
     def saved(arm: str, seeds_: tuple[int, ...]) -> tuple[int, int, list[str], float]:
         rows, n, total, ends = [], 0, 0, []
         for lr, s in sorted(k for k in diverging if k[1] in seeds_):
@@ -384,10 +386,10 @@ def main() -> None:
             ok = spike_step(r["losses"]) is None and end <= (1 + SAVED_WITHIN) * best[s]
             n += ok
             acts = [e for e in r["events"] if e["kind"] == "preemption"]
-            oracle = f"{final_loss(run(ORACLE, lr, s)['losses']):.3f}" if (lr, s) in warned else "-"
+            bound = f"{oracle[(lr, s)]:.3f}" if (lr, s) in oracle else "-"
             rows.append(
                 f"| {lr:.3g} | {s} | {final_loss(base[(lr, s)]['losses']):.3f} | "
-                f"{end:.3f} ({end / best[s] - 1:+.1%}) | {oracle} | {best[s]:.3f} | "
+                f"{end:.3f} ({end / best[s] - 1:+.1%}) | {bound} | {best[s]:.3f} | "
                 f"{len(acts)} | {'yes' if ok else 'no'} |"
             )
         return n, total, rows, statistics.mean(ends) if ends else math.inf
@@ -399,7 +401,6 @@ def main() -> None:
     ensure([(chosen, lr, s, {}) for lr, s in to_save + false_warned if s in REPORT_SEEDS])
     reported = saved(chosen, REPORT_SEEDS)
     on_stable = {k: run(chosen, *k) for k in false_warned}
-    oracle = {k: final_loss(run(ORACLE, *k)["losses"]) for k in to_save}
     body = report(base, diverging, stable, best, tuned, chosen, reported, on_stable, oracle, args)
     print(body)
     if not args.no_write:
