@@ -1,6 +1,7 @@
 """`read_log`: a loss log as columns, in any format `analysis.formats` knows (CSV, TSV, JSONL,
 TensorBoard event files, and the native logs of the trainers people use), gzip-compressed or
-not, streamed so that a file of several GB fits in memory."""
+not, streamed so that memory stays bounded on any input: past `MAX_ROWS` rows a log is thinned
+as it is read (`Thinner`), and a line over `MAX_LINE_BYTES` is passed over unread."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ OPTIONAL = ("grad_norm", "lr", "loss_scale", "token_accuracy")
 MAX_WARNED_ROWS = 10
 USE_PANDAS = True  # parse clean blocks with pandas when it is installed
 BLOCK_BYTES = 1 << 24  # bytes parsed at once; a block with a bad row is parsed row by row
+MAX_ROWS = 1_000_000  # training rows judged at most; past it a log is thinned (`Thinner`)
+MAX_EVAL_ROWS = 100_000  # values of one evaluation judged at most, thinned the same way
+MAX_LINE_BYTES = 1 << 20  # a longer line (or CSV row, or header) is passed over, never held
+READ_BYTES = 1 << 20  # the block a line reader reads at once
+FLUSH_ROWS = 1 << 16  # rows gathered one by one are handed to a `Thinner` this many at a time
 MAX_STEP = 2.0**63  # a step must fit the int64 step column
 LONG_INT_DIGITS = 300  # longer JSON integers are read as floats: no later float() overflows
 SNIFF_BYTES = 1 << 20  # the head a format is recognised by (a log may open with source code)
@@ -115,21 +121,184 @@ class LogData:
         )
 
 
+class Thinner:
+    """Rows (columns step, loss, ...) kept within `cap` while they stream in, deterministically:
+    under the cap every row; past it, of each run of `stride` rows (a power of two, doubled as
+    needed) the first, the highest loss and grad norm (and the lowest loss, with `lowest`), and
+    the first and last non-finite one, so spikes and NaNs are still found. Picking composes:
+    thinning kept rows at a doubled stride keeps what thinning every row would."""
+
+    def __init__(self, cap: int, lowest: bool = False) -> None:
+        self.cap = cap
+        self.lowest = lowest
+        self.stride = 1
+        self.total = 0
+        self.parts: list[dict[str, np.ndarray]] = []  # under the cap: the blocks as they came
+        self.index = np.empty(0, dtype=np.int64)  # past it: the row numbers kept...
+        self.kept: dict[str, np.ndarray] = {}  # ...and their values
+
+    def add(self, block: Mapping[str, np.ndarray]) -> None:
+        """Take a block of rows (equal-length columns, the same keys every time)."""
+        n = len(block["step"])
+        if n == 0:
+            return
+        start, self.total = self.total, self.total + n
+        if self.stride == 1 and self.total <= self.cap:
+            self.parts.append(dict(block))
+            return
+        if self.stride == 1:  # the first time over the cap: every row so far
+            parts, self.parts = [*self.parts, dict(block)], []
+            self.kept = {k: np.concatenate([b[k] for b in parts]) for k in block}
+            self.index = np.arange(self.total, dtype=np.int64)
+            del parts
+        else:  # the new rows, with the kept rows of the run they continue
+            cut = int(np.searchsorted(self.index, start - start % self.stride))
+            index = np.concatenate([self.index[cut:], np.arange(start, self.total)])
+            rest = {k: np.concatenate([self.kept[k][cut:], block[k]]) for k in block}
+            keep = _picked(index // self.stride, rest, self.lowest)
+            self.index = np.concatenate([self.index[:cut], index[keep]])
+            self.kept = {k: np.concatenate([self.kept[k][:cut], rest[k][keep]]) for k in block}
+        while len(self.index) > self.cap:
+            self.stride *= 2
+            keep = _picked(self.index // self.stride, self.kept, self.lowest)
+            self.index = self.index[keep]
+            self.kept = {k: v[keep] for k, v in self.kept.items()}
+
+    @property
+    def thinned(self) -> bool:
+        """Whether rows were dropped."""
+        return self.stride > 1
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """The rows kept, as columns (released from the thinner)."""
+        if not self.thinned:
+            parts, self.parts = self.parts, []
+            keys = parts[0].keys() if parts else ()
+            return {k: np.concatenate([b[k] for b in parts]) for k in keys}
+        kept, self.kept = self.kept, {}
+        return kept
+
+    def note(self, name: str, what: str = "rows") -> str:
+        """The line that says how a thinned stream was judged."""
+        extreme = "highest and lowest" if self.lowest else "highest loss and grad norm"
+        return (
+            f"{name}: {self.total:,} {what}, over the limit of {self.cap:,}; judged "
+            f"{len(self.index):,} of them: every {_nth(self.stride)} plus, of each "
+            f"{self.stride:,}, the {extreme} and the first and last non-finite one"
+        )
+
+
+def _nth(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n:,}{suffix}"
+
+
+def _picked(bucket: np.ndarray, cols: Mapping[str, np.ndarray], lowest: bool) -> np.ndarray:
+    """Which rows (sorted by row number; `bucket` is each one's run of rows) a thinning keeps:
+    of each run the first, the highest (and lowest) finite loss, the highest grad norm, and the
+    first and last row with a non-finite loss or an infinite figure."""
+    n = len(bucket)
+    keep = np.zeros(n, dtype=bool)
+    starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])
+    keep[starts] = True
+    sizes = np.diff(np.r_[starts, n])
+    extremes = [("loss", 1.0), ("grad_norm", 1.0)] + ([("loss", -1.0)] if lowest else [])
+    for key, sign in extremes:
+        if key not in cols:
+            continue
+        values = cols[key]
+        finite = np.isfinite(values)
+        filled = np.where(finite, values * sign, -np.inf)
+        top = np.maximum.reduceat(filled, starts)
+        hit = np.flatnonzero(finite & (filled == np.repeat(top, sizes)))
+        keep[_ends(bucket, hit, first=True)] = True
+    bad = ~np.isfinite(cols["loss"])
+    for key in OPTIONAL:
+        if key in cols:
+            bad |= np.isinf(cols[key])
+    rows = np.flatnonzero(bad)
+    keep[_ends(bucket, rows, first=True)] = True
+    keep[_ends(bucket, rows, first=False)] = True
+    return keep
+
+
+def _ends(bucket: np.ndarray, rows: np.ndarray, first: bool) -> np.ndarray:
+    """The first (or last) of `rows` in each run they fall in."""
+    if len(rows) == 0:
+        return rows
+    runs = bucket[rows]
+    change = runs[1:] != runs[:-1]
+    return rows[np.r_[True, change] if first else np.r_[change, True]]
+
+
+class BoundedLines:
+    """The lines of a binary stream, without their ends, read a block at a time: a line over
+    `limit` bytes is passed over (counted in `long`) as it streams by, never held whole. With
+    `cr`, a carriage return ends a line too (a progress bar's redraws)."""
+
+    def __init__(self, f: IO[bytes], limit: int | None = None, cr: bool = False) -> None:
+        self.f = f
+        self.limit = MAX_LINE_BYTES if limit is None else limit
+        self.cr = cr
+        self.long = 0  # lines passed over for their length
+        self.unfinished = False  # the last line had no newline
+
+    def __iter__(self) -> Iterator[bytes]:
+        rest, skipping = b"", False
+        while True:
+            chunk = self.f.read(READ_BYTES)
+            if not chunk:
+                break
+            if self.cr:
+                chunk = chunk.replace(b"\r", b"\n")
+            if skipping:  # the rest of a long line
+                end = chunk.find(b"\n")
+                if end < 0:
+                    continue
+                chunk, skipping = chunk[end + 1 :], False
+            *lines, rest = (rest + chunk).split(b"\n")
+            for line in lines:
+                if len(line) > self.limit:
+                    self.long += 1
+                else:
+                    yield line
+            if len(rest) > self.limit:
+                self.long += 1
+                rest, skipping = b"", True
+        if rest:
+            self.unfinished = True
+            yield rest
+        elif skipping:
+            self.unfinished = True
+
+    def note(self, name: str) -> str | None:
+        """The line that says how many long lines were passed over; None when none was."""
+        if not self.long:
+            return None
+        return (
+            f"{name}: passed over {self.long:,} line(s) longer than {self.limit:,} bytes, "
+            "unread (no log line is that long)"
+        )
+
+
 class _Columns:
     """Rows gathered into typed arrays (8 bytes a value), with the line numbers passed over."""
 
-    def __init__(self, unit: str = "line", other_rows: bool = False) -> None:
+    def __init__(
+        self, unit: str = "line", other_rows: bool = False, evaluation: bool = False
+    ) -> None:
         self.unit = unit  # what a passed-over row is named by: a file's line, or a step
         self.other_rows = other_rows  # rows without a loss are another kind's: no warning
-        self.parts: dict[str, list[np.ndarray]] = {k: [] for k in ("step", "loss", *OPTIONAL)}
+        # an evaluation's values are thinned to fewer, keeping its lowest as well as its highest
+        self.rows = Thinner(MAX_EVAL_ROWS if evaluation else MAX_ROWS, lowest=evaluation)
+        self.notes: list[str] = []  # said before the others (long lines passed over)
         self.bad: list[int] = []
         self.bad_count = 0
         self.last_bad: int | None = None
         self.unfinished: int | None = None  # the last line, when the file ends without a newline
 
     def add(self, block: dict[str, np.ndarray]) -> None:
-        for key, values in block.items():
-            self.parts[key].append(values)
+        self.rows.add(block)
 
     def skip(self, line: int) -> None:
         self.bad_count += 1
@@ -147,21 +316,19 @@ class _Columns:
             self.bad.remove(self.unfinished)
         return f"skipped the truncated last line {self.unfinished}, as a run cut short leaves it"
 
-    def _take(self, key: str) -> np.ndarray:
-        """One column joined, its blocks released at once (peak memory stays near one copy)."""
-        parts, self.parts[key] = self.parts[key], []
-        return np.concatenate(parts) if parts else np.empty(0)
-
     def finish(self, p: Path) -> LogData:
-        steps = self._take("step")
+        columns = self.rows.columns()
+        steps = columns.pop("step", np.empty(0))
         if len(steps) == 0:
             raise TrainguardError(
                 f"{p}: no row has a numeric step and a numeric loss; give a log of the run's "
                 "loss (NaN and Inf count as numbers)"
             )
-        loss = self._take("loss")
-        extra = {k: self._take(k) for k in OPTIONAL if self.parts[k]}
-        notes = []
+        loss = columns.pop("loss")
+        extra = {k: columns.pop(k) for k in OPTIONAL if k in columns}
+        notes = list(self.notes)
+        if self.rows.thinned:
+            notes.insert(0, self.rows.note(p.name))
         truncated = self._truncated_note()
         if self.bad_count:
             shown = ", ".join(str(n) for n in self.bad)
@@ -190,18 +357,21 @@ class _Columns:
 
 def columns_of(
     p: Path,
-    rows: Mapping[str, Sequence[float]],
-    evals: Mapping[str, Sequence[float]],
+    rows: Mapping[str, Sequence[float] | np.ndarray],
+    evals: Mapping[str, Sequence[float] | np.ndarray],
     unit: str = "line",
+    notes: Sequence[str] = (),
 ) -> LogData:
     """`LogData` from a format's rows (step, loss and any of OPTIONAL, in file order) and its
-    evaluations (step, loss). A log with evaluations alone is judged on them, with a warning."""
+    evaluations (step, loss), with the format's `notes` said first (how it thinned them). A log
+    with evaluations alone is judged on them, with a warning."""
     eval_steps = np.asarray(evals.get("step", ()), dtype=np.float64)
     eval_loss = np.asarray(evals.get("loss", ()), dtype=np.float64)
     fits = np.abs(eval_steps) < MAX_STEP  # a step must fit the int64 step column
     eval_steps, eval_loss = eval_steps[fits], eval_loss[fits]
     only_evals = len(rows.get("step", ())) == 0 and len(eval_steps) > 0
     out = _Columns(unit=unit)
+    out.notes += notes
     huge = 0
     if only_evals:
         out.add({"step": eval_steps, "loss": eval_loss})
@@ -460,7 +630,7 @@ def delimiter_of(p: Path, first: str) -> str | None:
 def header_line(p: Path) -> str:
     """A file's first line, without its byte order mark and line end."""
     with open_bytes(p) as f:
-        return f.readline().decode("utf-8-sig", errors="replace").rstrip("\r\n")
+        return header_bytes(f, p).decode("utf-8-sig", errors="replace").rstrip("\r\n")
 
 
 def header_of(first: str, delimiter: str, p: Path | None = None) -> list[str]:
@@ -524,11 +694,23 @@ def with_evals(p: Path, data: LogData, step: str, evaluated: str | None) -> LogD
     if evaluated is None:
         return data
     try:
-        evals = delimited(p, ",", {"step": step, "loss": evaluated}, other_rows=True)
+        evals = delimited(
+            p, ",", {"step": step, "loss": evaluated}, other_rows=True, evaluation=True
+        )
     except TrainguardError:  # a column with no value in any row
         return data
     data.evals = {"step": evals.steps, "loss": evals.loss}
+    data.warnings += thinning_notes(p, evals, evaluated)
     return data
+
+
+def thinning_notes(p: Path, read: LogData, column: str) -> list[str]:
+    """The note of an evaluation column read apart that was thinned, naming the column."""
+    return [
+        w.replace(f"{p.name}:", f"{p.name} {column}:", 1)
+        for w in read.warnings
+        if w.startswith(f"{p.name}:") and "over the limit of" in w
+    ]
 
 
 def is_evaluation(name: str) -> bool:
@@ -564,10 +746,13 @@ def with_evaluations(
     leave its cells empty): `data.evaluations`; a column without a value is left out."""
     for column in columns:
         try:
-            read = delimited(p, delimiter, {"step": step, "loss": column}, other_rows=True)
+            read = delimited(
+                p, delimiter, {"step": step, "loss": column}, other_rows=True, evaluation=True
+            )
         except TrainguardError:  # no value in any row
             continue
         data.evaluations[column] = (read.steps, read.loss)
+        data.warnings += thinning_notes(p, read, column)
     return data
 
 
@@ -588,23 +773,37 @@ def number(text: object) -> float | None:
         return None
 
 
-def delimited(p: Path, delimiter: str, names: dict[str, str], other_rows: bool = False) -> LogData:
+def delimited(
+    p: Path,
+    delimiter: str,
+    names: dict[str, str],
+    other_rows: bool = False,
+    evaluation: bool = False,
+) -> LogData:
     """A CSV/TSV log's columns `names` (keys step, loss and any of OPTIONAL; values the
     file's column names). With `other_rows`, a row without a loss is another kind of row (an
-    evaluation's, in an interleaved log), passed over without a warning."""
-    out = _Columns(other_rows=other_rows)
+    evaluation's, in an interleaved log), passed over without a warning; with `evaluation`, the
+    loss column is an evaluation's, thinned past `MAX_EVAL_ROWS`. A row longer than
+    `MAX_LINE_BYTES` that spans blocks is passed over, never gathered."""
+    out = _Columns(other_rows=other_rows, evaluation=evaluation)
+    long = 0
     with open_bytes(p) as f:
-        first = f.readline().decode("utf-8-sig", errors="replace")
+        first = header_bytes(f, p).decode("utf-8-sig", errors="replace")
         columns = header_of(first, delimiter, p)
         for key in ("step", "loss"):
             if names[key] not in columns:
                 raise _missing(p, names[key], columns)
         wanted = {k: v for k, v in names.items() if v in columns}
         where = {key: columns.index(name) for key, name in wanted.items()}
-        line, rest, tail = 2, b"", first[-1:]
+        line, rest, tail, skipping = 2, b"", first[-1:], False
         while True:
             chunk = f.read(BLOCK_BYTES)
             tail = chunk[-1:].decode("latin-1") if chunk else tail
+            if skipping and chunk:  # the rest of a row too long to hold
+                end = chunk.find(b"\n")
+                if end < 0:
+                    continue
+                chunk, skipping, line = chunk[end + 1 :], False, line + 1
             data = rest + chunk
             cut = data.rfind(b"\n") + 1 if chunk else len(data)
             data, rest = data[:cut], data[cut:]
@@ -616,11 +815,29 @@ def delimited(p: Path, delimiter: str, names: dict[str, str], other_rows: bool =
                         block = _slow_block(text.splitlines(), delimiter, where, line, out)
                 out.add(block)
             line += data.count(b"\n")
+            if len(rest) > MAX_LINE_BYTES:
+                long, rest, skipping = long + 1, b"", True
             if not chunk:
                 break
-    if tail and tail != "\n":
+    if tail and tail != "\n" and not skipping:
         out.unfinished = line
+    if long:
+        out.notes.append(
+            f"passed over {long:,} row(s) longer than {MAX_LINE_BYTES:,} bytes, unread"
+        )
     return out.finish(p)
+
+
+def header_bytes(f: IO[bytes], p: Path) -> bytes:
+    """A CSV's first line as read from `f`, refused in one line when it is over
+    `MAX_LINE_BYTES` (no header of column names is that long)."""
+    first = f.readline(MAX_LINE_BYTES + 1)
+    if len(first) > MAX_LINE_BYTES:
+        raise TrainguardError(
+            f"{p}: the first line is over {MAX_LINE_BYTES:,} bytes, not a header of column "
+            "names; give a CSV whose first line names its columns"
+        )
+    return first
 
 
 def _fast_block(data: bytes, delimiter: str, where: dict[str, int]) -> dict[str, np.ndarray] | None:
@@ -724,27 +941,27 @@ def jsonl(
     names_for: Callable[[set[str], ReadOptions], dict[str, str]],
 ) -> LogData:
     """A JSONL log: the keys to read are chosen (`names_for`) from those of its first objects,
-    with its evaluations (`evaluation_columns`), on rows of their own or not."""
+    with its evaluations (`evaluation_columns`), on rows of their own or not. Lines over
+    `MAX_LINE_BYTES` are passed over with a count, and past `MAX_ROWS` rows the log is thinned."""
     seen: set[str] = set()
-    with open_text(p) as f:
-        for _, line in zip(range(PRESCAN_LINES), f, strict=False):
-            record = json_object(line) if line.strip() else None
+    with open_bytes(p) as f:
+        for _, line in zip(range(PRESCAN_LINES), BoundedLines(f), strict=False):
+            record = json_object(_no_bom(line)) if line.strip() else None
             if record is not None:
                 seen.update(record)
     names = names_for(seen, options)
     evaluated = evaluation_columns(sorted(seen), exclude=list(names.values()))
-    found: dict[str, tuple[array[float], array[float]]] = {
-        name: (array("d"), array("d")) for name in evaluated
-    }
+    found = {name: Evaluation() for name in evaluated}
     out = _Columns()
     cols: dict[str, array[float]] = {k: array("d") for k in names}
     precursors: dict[int, Any] = {}  # step -> its last row's precursors, where any row had some
-    lineno, line = 0, ""
-    with open_text(p) as f:
-        for lineno, line in enumerate(f, 1):
+    lineno = 0
+    with open_bytes(p) as f:
+        lines = BoundedLines(f)
+        for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            record = json_object(line)
+            record = json_object(_no_bom(line) if lineno == 1 else line)
             if record is None:
                 out.skip(lineno)
                 continue
@@ -756,36 +973,85 @@ def jsonl(
                 _note_precursors(record, cols["step"][-1], precursors)
             elif not evaluation:
                 out.skip(lineno)
-    if line and not line.endswith("\n"):
+            if len(cols["step"]) >= FLUSH_ROWS:
+                out.add({k: np.frombuffer(v, dtype=np.float64) for k, v in cols.items()})
+                cols = {k: array("d") for k in names}
+                if out.rows.thinned:
+                    _prune_precursors(precursors, out.rows)
+    if lines.unfinished:
         out.unfinished = lineno
     for key in ("step", "loss"):
         if names[key] not in seen:
             raise _missing(p, names[key], seen)
     out.add({k: np.frombuffer(v, dtype=np.float64) for k, v in cols.items() if len(v)})
+    long = lines.note(p.name)
+    if long is not None:
+        out.notes.append(long)
     data = out.finish(p)
-    for name, (steps, values) in found.items():
-        if len(steps):
-            data.evaluations[name] = timeline_of(np.frombuffer(steps), np.frombuffer(values))
+    for name, values in found.items():
+        if values.count:
+            data.evaluations[name] = timeline_of(*values.columns())
+            if values.rows.thinned:
+                data.warnings.append(values.rows.note(f"{p.name} {name}", "values"))
     if precursors:
         data.precursors = [precursors.get(int(s)) for s in data.steps]
     return data
 
 
-def _keep_evaluations(
-    record: dict[str, Any], step_key: str, found: dict[str, tuple[array[float], array[float]]]
-) -> bool:
-    """Keep a JSON record's evaluations (`found`: name -> steps, values); whether it had any."""
+def _no_bom(line: bytes) -> bytes:
+    return line.removeprefix(b"\xef\xbb\xbf")
+
+
+def _prune_precursors(precursors: dict[int, Any], rows: Thinner) -> None:
+    """Drop the precursors of steps a thinning dropped (they are judged on no kept row)."""
+    kept = set(rows.kept["step"].astype(np.int64).tolist())
+    for step in [s for s in precursors if s not in kept]:
+        del precursors[step]
+
+
+class Evaluation:
+    """One evaluation's (step, value) pairs appended one at a time, thinned past
+    `MAX_EVAL_ROWS` (its highest and lowest values kept)."""
+
+    def __init__(self) -> None:
+        self.rows = Thinner(MAX_EVAL_ROWS, lowest=True)
+        self.steps: array[float] = array("d")
+        self.values: array[float] = array("d")
+        self.count = 0
+
+    def append(self, step: float, value: float) -> None:
+        self.steps.append(step)
+        self.values.append(value)
+        self.count += 1
+        if len(self.steps) >= FLUSH_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        block = {"step": np.frombuffer(self.steps), "loss": np.frombuffer(self.values)}
+        self.rows.add(block)
+        self.steps, self.values = array("d"), array("d")
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """The steps and values kept, in file order."""
+        self._flush()
+        kept = self.rows.columns()
+        if not kept:
+            return np.empty(0), np.empty(0)
+        return kept["step"], kept["loss"]
+
+
+def _keep_evaluations(record: dict[str, Any], step_key: str, found: dict[str, Evaluation]) -> bool:
+    """Keep a JSON record's evaluations (`found`: name -> its values); whether it had any."""
     if not found:
         return False
     step = number(record.get(step_key))
     if step is None or not abs(step) < MAX_STEP:
         return False
     kept = False
-    for name, (steps, values) in found.items():
+    for name, evaluation in found.items():
         value = number(record.get(name))
         if value is not None:
-            steps.append(step)
-            values.append(value)
+            evaluation.append(step, value)
             kept = True
     return kept
 

@@ -6,12 +6,21 @@ from __future__ import annotations
 import gzip
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
+from trainguard.analysis import logs
 from trainguard.analysis.formats import LogFormat, ReadOptions
-from trainguard.analysis.logs import LogData, columns_of, open_text
+from trainguard.analysis.logs import (
+    BoundedLines,
+    LogData,
+    Thinner,
+    columns_of,
+    open_bytes,
+)
 from trainguard.events import TrainguardError
 
 NUMBER = r"[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|NaN|NAN|inf|Inf|INF|infinity)"
@@ -50,6 +59,34 @@ class ParsedLines:
     evals: dict[str, list[float]] = field(default_factory=lambda: {"step": [], "loss": []})
     repeats_last_eval: bool = False
     pending: Row | None = None  # fields printed for a step whose row is yet to come
+    # rows before the last, handed on a block at a time and thinned past the limits
+    done: Thinner = field(default_factory=lambda: Thinner(logs.MAX_ROWS))
+    done_evals: Thinner = field(default_factory=lambda: Thinner(logs.MAX_EVAL_ROWS, lowest=True))
+
+    def _flush(self) -> None:
+        """Hand every row but the last (which a redraw may still replace) to the thinners."""
+        for lists, thinner in ((self.rows, self.done), (self.evals, self.done_evals)):
+            if len(lists["step"]) > logs.FLUSH_ROWS:
+                thinner.add({k: np.asarray(v[:-1], dtype=np.float64) for k, v in lists.items()})
+                for v in lists.values():
+                    del v[:-1]
+
+    def columns(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Every training row and evaluation kept, as columns in file order."""
+        out = []
+        for lists, thinner in ((self.rows, self.done), (self.evals, self.done_evals)):
+            if lists["step"]:
+                thinner.add({k: np.asarray(v, dtype=np.float64) for k, v in lists.items()})
+            out.append(thinner.columns())
+        return out[0], out[1]
+
+    def notes(self, name: str) -> list[str]:
+        """The lines that say how rows and evaluations were thinned, where they were."""
+        return [
+            thinner.note(name, what)
+            for thinner, what in ((self.done, "rows"), (self.done_evals, "evaluations"))
+            if thinner.thinned
+        ]
 
     def add(self, row: Row) -> None:
         step = float(row["step"])
@@ -65,6 +102,8 @@ class ParsedLines:
                     self.rows[key][-1] = value
             else:
                 self.rows[key].append(value)
+        if not again:
+            self._flush()
 
     def add_fields(self, row: Row) -> None:
         """Fields a line without a loss printed for a step: they fill that step's row, printed
@@ -87,6 +126,7 @@ class ParsedLines:
             return
         self.evals["step"].append(step)
         self.evals["loss"].append(loss)
+        self._flush()
 
     @property
     def last_step(self) -> float:
@@ -181,23 +221,34 @@ class LineFormat:
 
     def read(self, path: Path, options: ReadOptions) -> list[LogData]:
         try:
-            with open_text(path, newline="") as f:
-                parsed = self.parse_lines(f)
+            with open_bytes(path) as f:
+                lines = BoundedLines(f, cr=True)  # a progress bar's redraws are lines
+                parsed = self.parse_lines(_decoded(lines))
         except gzip.BadGzipFile:  # said by read_runs, as every damaged gzip is
             raise
         except OSError as exc:
             raise TrainguardError(
                 f"cannot read {path}: {exc.strerror or exc}; check the path and its permissions"
             ) from None
-        if not parsed.rows["step"] and not parsed.evals["step"]:
+        rows, evals = parsed.columns()
+        if not len(rows.get("step", ())) and not len(evals.get("step", ())):
             raise TrainguardError(
                 f"{path}: no line of the {self.name} format holds a step and a loss; name "
                 "another format with --format"
             )
-        return [columns_of(path, parsed.rows, parsed.evals)]
+        long = lines.note(path.name)
+        notes = parsed.notes(path.name) + ([long] if long is not None else [])
+        return [columns_of(path, rows, evals, notes=notes)]
 
     def log_format(self) -> LogFormat:
         return LogFormat(self.name, self.description, self.sniff, self.read)
+
+
+def _decoded(lines: BoundedLines) -> Iterator[str]:
+    """The lines as text (UTF-8, undecodable bytes replaced, a byte order mark dropped)."""
+    for number, line in enumerate(lines):
+        text = line.decode("utf-8", errors="replace")
+        yield text.removeprefix("\ufeff") if number == 0 else text
 
 
 def _same(a: float, b: float) -> bool:
