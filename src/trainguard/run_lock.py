@@ -10,7 +10,9 @@ import io
 import json
 import os
 import socket
+import stat
 import sys
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,8 @@ if sys.platform != "win32":
     import fcntl
 
 LOCK_NAME = ".lock"
+LOCK_TRIES = 5  # a held lock is tried this many times before it is said to be in use...
+LOCK_RETRY_S = 0.05  # ...over this long (a watcher's probe holds it for microseconds)
 _HELD = frozenset({errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES})
 _LIVE: weakref.WeakSet[RunLock] = weakref.WeakSet()  # this process's locks, for fork
 
@@ -97,11 +101,21 @@ class RunLock:
 
 
 def _lock(file: io.FileIO) -> OSError | None:
-    try:
-        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        return exc
-    return None
+    """Take the exclusive lock without waiting; a lock found held is tried again a few times
+    over `LOCK_RETRY_S`, as a watcher's probe (`lock_held`) holds it shared for microseconds."""
+    failure: OSError | None = None
+    for attempt in range(LOCK_TRIES):
+        if attempt:
+            time.sleep(LOCK_RETRY_S / LOCK_TRIES)
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            failure = exc
+            if exc.errno not in _HELD:
+                return exc
+            continue
+        return None
+    return failure
 
 
 def _holder(file: io.FileIO) -> dict[str, Any]:
@@ -139,18 +153,54 @@ def _in_use(run_dir: Path, holder: dict[str, Any]) -> str:
 
 def local_holder(run_dir: Path) -> tuple[int, bool] | None:
     """The pid a Guard on this host wrote into `run_dir`'s lock and has not released, and whether
-    that process still lives (a run killed before `close()` leaves its pid there; `release`
-    empties the file); None when there is none, or it ran on another host."""
+    that writer still lives (a run killed before `close()` leaves its pid there; `release`
+    empties the file); None when there is none, or it ran on another host. It lives while its
+    pid does and its `flock` is still held (`lock_held`): the kernel drops the lock when the
+    process dies, so a pid that now belongs to another process is not taken for the writer."""
     try:
-        holder = json.loads((run_dir / LOCK_NAME).read_bytes()[:4096])
-    except (OSError, ValueError):
+        fd = _open_for_reading(run_dir / LOCK_NAME)
+    except OSError:
         return None
-    if not isinstance(holder, dict) or holder.get("host") != socket.gethostname():
+    try:
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(holder, dict) or holder.get("host") != socket.gethostname():
+            return None
+        pid = holder.get("pid")
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            return None
+        return pid, _alive(pid) and lock_held(fd) is not False
+    finally:
+        os.close(fd)
+
+
+def _open_for_reading(path: Path) -> int:
+    """`path` opened read-only, never created, truncated or followed through a link, nor
+    waited on (a FIFO); an OSError when it is not a regular file."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    fd = os.open(path, flags)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file")
+    return fd
+
+
+def lock_held(fd: int) -> bool | None:
+    """Whether some process holds the `flock` of the lock file open as `fd`: a shared lock is
+    tried without waiting, and released at once when it is had (True: held; False: free, its
+    writer is gone; None: it cannot be told, as on a file system without locks). A writer's
+    `take` that meets this brief lock tries again (`_lock`), so watching never stops a run."""
+    if sys.platform == "win32":
         return None
-    pid = holder.get("pid")
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return None
-    return pid, _alive(pid)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        return True if exc.errno in _HELD else None
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
 
 
 def _alive(pid: int) -> bool:

@@ -139,7 +139,7 @@ class Thinner:
 
     def add(self, block: Mapping[str, np.ndarray]) -> None:
         """Take a block of rows (equal-length columns, the same keys every time)."""
-        n = len(block["step"])
+        n = len(block["step"]) if "step" in block else 0
         if n == 0:
             return
         start, self.total = self.total, self.total + n

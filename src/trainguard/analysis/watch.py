@@ -5,18 +5,20 @@ tells a run that closed from one whose files stopped changing."""
 from __future__ import annotations
 
 import math
+import os
+import stat
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from trainguard.analysis.logs import json_object
+from trainguard.analysis.logs import MAX_LINE_BYTES, READ_BYTES, json_object
 from trainguard.analysis.run import is_step
 from trainguard.events import TrainguardError
 from trainguard.run_lock import local_holder
@@ -30,30 +32,85 @@ _COLOURS = {"ok": "green", "info": "green", "warning": "yellow", "critical": "re
 
 
 class _Tail:
-    """Reads the complete lines appended to a file since the last call."""
+    """Reads the complete lines appended to a file since the last call, a block at a time: a
+    line over `MAX_LINE_BYTES` is passed over as it streams by (counted in `long`), and a file
+    replaced (another inode) or truncated (shorter than what was read) is read again from its
+    start (counted in `reread`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.offset = 0
         self.partial = b""
+        self.skipping = False  # inside a line too long to keep
+        self.identity: tuple[int, int] | None = None  # the device and inode read
+        self.long = 0
+        self.reread = 0
 
-    def lines(self) -> list[dict[str, Any]]:
+    def lines(self) -> Iterator[dict[str, Any]]:
         """The JSON objects on the new complete lines; other lines are passed over, and a last
         line without its newline waits for it (forever, when the run was cut short)."""
-        if not self.path.is_file():
-            return []
         try:
-            with self.path.open("rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise TrainguardError(
+                f"cannot read {self.path}: {exc.strerror or exc}; check its permissions"
+            ) from None
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                return
+            identity = (info.st_dev, info.st_ino)
+            if self.identity is not None and (
+                identity != self.identity or info.st_size < self.offset
+            ):
+                self.reread += 1
+                self.offset, self.partial, self.skipping = 0, b"", False
+            self.identity = identity
+            f.seek(self.offset)
+            while chunk := self._read(f):
+                yield from self._complete(chunk)
+
+    def _read(self, f: IO[bytes]) -> bytes:
+        try:
+            chunk = f.read(READ_BYTES)
         except OSError as exc:
             raise TrainguardError(
                 f"cannot read {self.path}: {exc.strerror or exc}; check its permissions"
             ) from None
         self.offset += len(chunk)
-        data = self.partial + chunk
-        *complete, self.partial = data.split(b"\n")
-        return [r for r in map(_object, complete) if r is not None]
+        return chunk
+
+    def _complete(self, chunk: bytes) -> Iterator[dict[str, Any]]:
+        """The objects on the lines `chunk` completes; the rest waits, unless it is too long."""
+        if self.skipping:
+            end = chunk.find(b"\n")
+            if end < 0:
+                return
+            chunk, self.skipping = chunk[end + 1 :], False
+        *complete, self.partial = (self.partial + chunk).split(b"\n")
+        for raw in complete:
+            if len(raw) > MAX_LINE_BYTES:
+                self.long += 1
+                continue
+            record = _object(raw)
+            if record is not None:
+                yield record
+        if len(self.partial) > MAX_LINE_BYTES:
+            self.long += 1
+            self.partial, self.skipping = b"", True
+
+    def note(self) -> str | None:
+        """What was unusual about reading the file, in words; None when nothing was."""
+        said = []
+        if self.reread:
+            said.append(f"{self.path.name} was replaced or truncated: read again from its start")
+        if self.long:
+            said.append(
+                f"passed over {self.long} line(s) of {self.path.name} over {MAX_LINE_BYTES:,} bytes"
+            )
+        return "; ".join(said) or None
 
 
 def _object(raw: bytes) -> dict[str, Any] | None:
@@ -146,13 +203,21 @@ class RunWatcher:
         not metrics or events of a guard and are passed over."""
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise TrainguardError(f"{self.run_dir} is not a directory: give the run_dir of a Guard")
+        reread = self._metrics.reread
         for record in self._metrics.lines():
+            if self._metrics.reread != reread:  # a new file: its own steps only
+                reread = self._forget_metrics()
             if not is_step(record.get("step")):
                 continue
             self.step = record["step"]
             self.loss.append(_number(record.get("loss")))
             self.grad.append(_number(record.get("grad_norm")))
+        if self._metrics.reread != reread:  # replaced by a file with no line yet
+            self._forget_metrics()
+        reread = self._events.reread
         for event in self._events.lines():
+            if self._events.reread != reread:  # a new file: its own events only
+                reread = self._forget_events()
             if not is_step(event.get("step")):
                 continue
             severity, kind = event.get("severity"), event.get("kind")
@@ -166,7 +231,23 @@ class RunWatcher:
                 self.closed_at = event["step"]
             elif kind == "resume":  # a closed or halted run taken up again
                 self.closed_at, self.halted = None, False
+        if self._events.reread != reread:
+            self._forget_events()
         self._check_writer()
+
+    def _forget_metrics(self) -> int:
+        """Forget what the metrics file replaced told; the count of rereads now."""
+        self.step = None
+        self.loss.clear()
+        self.grad.clear()
+        return self._metrics.reread
+
+    def _forget_events(self) -> int:
+        """Forget what the events file replaced told; the count of rereads now."""
+        self.events.clear()
+        self.last_incident.clear()
+        self.halted, self.closed_at = False, None
+        return self._events.reread
 
     def _check_writer(self) -> None:
         """Whether a Guard writes the folder now, whether its writer exited without closing the
@@ -204,6 +285,10 @@ class RunWatcher:
             words += f"; its writer (pid {self.exited_pid}) exited without closing the run"
         if self.idle_s is not None and self.idle_s >= STALE_AFTER_S:
             words += f"; no new data for {_duration(self.idle_s)}"
+        for tail in (self._metrics, self._events):
+            note = tail.note()
+            if note is not None:
+                words += f"; {note}"
         return words, _COLOURS[health]
 
     def line(self) -> str:
