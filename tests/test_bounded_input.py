@@ -216,3 +216,16 @@ def test_a_watchers_probe_never_makes_a_writer_fail_to_take_the_lock(tmp_path, m
         lock.release()
     finally:
         os.close(probe)
+
+
+def test_a_tensorboard_scalar_over_the_limit_is_a_bounded_sample_said_so(tmp_path, monkeypatch):
+    from torch.utils.tensorboard import SummaryWriter
+
+    monkeypatch.setattr(logs, "MAX_ROWS", 500)
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for step in range(2000):
+        writer.add_scalar("train/loss", 3.0 - step * 1e-4, step)
+    writer.close()
+    data = read_log(tmp_path / "tb")
+    assert len(data.steps) == 500 and data.steps[-1] == 1999
+    assert "judged TensorBoard's uniform sample of 500" in data.warnings[1]

@@ -1093,9 +1093,10 @@ def _tensorboard(p: Path, tag: str | None) -> LogData:
             "pip install 'trainguard[tensorboard]'"
         ) from None
     series: dict[str, dict[int, float]] = {}
+    sampled: set[str] = set()  # scalars whose reservoir filled: a uniform sample of them
     files = [p] if p.is_file() else sorted(p.rglob("events.out.tfevents.*"))
     for file in files:
-        acc = EventAccumulator(str(file), size_guidance={"scalars": 0})
+        acc = EventAccumulator(str(file), size_guidance={"scalars": MAX_ROWS})
         try:
             acc.Reload()
         except Exception as exc:  # the reader raises several kinds on a damaged file
@@ -1104,7 +1105,10 @@ def _tensorboard(p: Path, tag: str | None) -> LogData:
             ) from None
         for name in acc.Tags().get("scalars", []):
             values = series.setdefault(name, {})
-            for ev in acc.Scalars(name):
+            kept = acc.Scalars(name)
+            if len(kept) >= MAX_ROWS:
+                sampled.add(name)
+            for ev in kept:
                 values[int(ev.step)] = float(ev.value)
     if not series:
         raise TrainguardError(
@@ -1124,6 +1128,12 @@ def _tensorboard(p: Path, tag: str | None) -> LogData:
     out.add(block)  # a NaN or Inf loss is the run's: kept, and judged an incident
     data = out.finish(p)
     data.warnings.insert(0, f"read the TensorBoard scalar '{chosen}'")
+    if sampled & {chosen, *(_tb_tag(p, series, k, None, required=False) for k in OPTIONAL)}:
+        data.warnings.insert(
+            1,
+            f"{p.name}: a scalar has over {MAX_ROWS:,} values in a file; judged TensorBoard's "
+            f"uniform sample of {MAX_ROWS:,} (the last kept; a NaN between may be missed)",
+        )
     return data
 
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from trainguard.analysis.logs import final_timeline, json_object, timeline_of
+from trainguard.analysis import logs
+from trainguard.analysis.logs import BoundedLines, final_timeline, json_object, timeline_of
 from trainguard.config import GuardConfig
 from trainguard.events import TrainguardError
 
@@ -19,6 +20,7 @@ COLUMNS = ("loss", "grad_norm", "lr", "loss_scale")
 MAX_STEP = 2**63  # a step must fit the int64 step column
 MAX_DEPTH = 32  # an event or config nested deeper is not one the guard wrote
 SEVERITIES = ("info", "warning", "critical")
+MAX_RECORDS = 100_000  # events or evaluations read from one file at most
 
 
 @dataclass
@@ -131,26 +133,42 @@ def _is_event(record: dict[str, Any]) -> bool:
     )
 
 
-def _read_lines(path: Path, warnings: list[str], exact: bool = True) -> list[dict[str, Any]]:
+def _read_lines(
+    path: Path, warnings: list[str], exact: bool = True, most: int | None = None
+) -> list[dict[str, Any]]:
     """The JSON objects of a JSONL file, in order; unreadable lines are passed over with one
-    warning, and a truncated last line, as a run cut short leaves it, with another."""
+    warning, and a truncated last line, as a run cut short leaves it, with another. A line over
+    `MAX_LINE_BYTES` is passed over unread, and past `most` objects (`MAX_RECORDS` when None)
+    the rest are counted, not kept: memory stays bounded."""
+    most = MAX_RECORDS if most is None else most
     records: list[dict[str, Any]] = []
-    bad = 0
-    number, line, last_bad = 0, "", -1
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
+    bad = more = 0
+    number, last_bad = 0, -1
+    with path.open("rb") as f:
+        lines = BoundedLines(f)
+        for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             record = json_object(line, exact=exact)
             if record is None:
                 bad, last_bad = bad + 1, number
-            else:
+            elif len(records) < most:
                 records.append(record)
-    if last_bad == number and not line.endswith("\n"):
+            else:
+                more += 1
+    if last_bad == number and lines.unfinished:
         bad -= 1
         warnings.append(f"skipped the truncated last line {number} of {path.name}")
     if bad:
         warnings.append(f"passed over {bad} unreadable line(s) of {path.name}")
+    long = lines.note(path.name)
+    if long is not None:
+        warnings.append(long)
+    if more:
+        warnings.append(
+            f"{path.name}: read its first {most:,} lines; passed over {more:,} more (the limit "
+            "that keeps memory bounded)"
+        )
     return records
 
 
@@ -195,7 +213,7 @@ def recorded_evaluations(
 
 def _run_dir(p: Path) -> RunRecord:
     warnings: list[str] = []
-    lines = _read_lines(p / "metrics.jsonl", warnings)
+    lines = _read_lines(p / "metrics.jsonl", warnings, most=logs.MAX_ROWS)
     records = [r for r in lines if is_step(r.get("step"))]
     if len(records) < len(lines):
         warnings.append(
@@ -240,8 +258,9 @@ def _run_dir(p: Path) -> RunRecord:
         evals = recorded_evaluations(p / "evals.jsonl", warnings)
     config: dict[str, Any] = {}
     if (p / "config.json").is_file():
-        text = (p / "config.json").read_text(encoding="utf-8", errors="replace")
-        read = json_object(text, exact=False)
+        with (p / "config.json").open("rb") as f:
+            raw = f.read(logs.MAX_LINE_BYTES + 1)  # no config the guard wrote is longer
+        read = json_object(raw, exact=False) if len(raw) <= logs.MAX_LINE_BYTES else None
         if read is None or _depth(read) > MAX_DEPTH:
             warnings.append("config.json is not a JSON object: the config is not shown")
         else:
