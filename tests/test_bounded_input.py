@@ -229,3 +229,27 @@ def test_a_tensorboard_scalar_over_the_limit_is_a_bounded_sample_said_so(tmp_pat
     data = read_log(tmp_path / "tb")
     assert len(data.steps) == 500 and data.steps[-1] == 1999
     assert "judged TensorBoard's uniform sample of 500" in data.warnings[1]
+
+
+def test_a_csv_row_too_long_to_hold_is_read_from_its_first_cells(tmp_path, monkeypatch):
+    monkeypatch.setattr(logs, "BLOCK_BYTES", 1 << 16)
+    rows = "".join(f"{i},2.0,n\n" for i in range(10))
+    path = tmp_path / "train.csv"
+    path.write_text("step,loss,note\n" + rows + "10,9.0," + "x" * (3 << 20) + "\n11,2.0,n\n")
+    data = read_log(path)
+    assert list(data.steps) == list(range(12)) and data.loss[10] == 9.0
+    assert "read 1 row(s) longer than 1,048,576 bytes" in data.warnings[0]
+
+
+def test_many_thinned_evaluations_are_said_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(logs, "MAX_EVAL_ROWS", 100)
+    names = ["eval_loss", "eval_acc", "eval_f1", "eval_bleu"]
+    lines = [json.dumps({"step": i, "loss": 2.0, **dict.fromkeys(names, 0.5)}) for i in range(500)]
+    (tmp_path / "run.jsonl").write_text("\n".join(lines) + "\n")
+    data = read_log(tmp_path / "run.jsonl")
+    assert data.warnings == [
+        "run.jsonl: 4 evaluations over the limit of 100 values each (eval_loss, eval_acc, "
+        "eval_bleu, eval_f1); each judged on a thinning that keeps its highest, lowest and first "
+        "and last non-finite values"
+    ]
+    assert all(len(steps) <= 100 for steps, _ in data.evaluations.values())

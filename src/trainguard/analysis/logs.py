@@ -34,7 +34,7 @@ MAX_WARNED_ROWS = 10
 USE_PANDAS = True  # parse clean blocks with pandas when it is installed
 BLOCK_BYTES = 1 << 24  # bytes parsed at once; a block with a bad row is parsed row by row
 MAX_ROWS = 1_000_000  # training rows judged at most; past it a log is thinned (`Thinner`)
-MAX_EVAL_ROWS = 100_000  # values of one evaluation judged at most, thinned the same way
+MAX_EVAL_ROWS = 20_000  # values of one evaluation judged at most, thinned the same way
 MAX_LINE_BYTES = 1 << 20  # a longer line (or CSV row, or header) is passed over, never held
 READ_BYTES = 1 << 20  # the block a line reader reads at once
 FLUSH_ROWS = 1 << 16  # rows gathered one by one are handed to a `Thinner` this many at a time
@@ -479,6 +479,7 @@ def read_runs(
         runs = fmt.read(p, options)
         for data in runs:
             data.format = fmt.name
+            data.warnings = _one_line_for_thinned_evaluations(p.name, data.warnings)
             if note is not None:
                 data.warnings.insert(0, note)
         if p.name == "metrics.jsonl" and (p.parent / "events.jsonl").is_file():
@@ -496,6 +497,26 @@ def read_runs(
         raise TrainguardError(
             f"cannot read {p}: {exc.strerror or exc}; check the path and its permissions"
         ) from None
+
+
+def _one_line_for_thinned_evaluations(name: str, warnings: list[str]) -> list[str]:
+    """The notes of evaluations thinned past `MAX_EVAL_ROWS` as one line where there are more
+    than two (a log may have 16 evaluations)."""
+    found = re.compile(rf"^{re.escape(name)} (.+?): [\d,]+ values, over the limit of ([\d,]+);")
+    thinned = [(w, m) for w in warnings if (m := found.match(w)) is not None]
+    if len(thinned) <= 2:
+        return warnings
+    names = [m[1] for _, m in thinned]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    line = (
+        f"{name}: {len(names)} evaluations over the limit of {thinned[0][1][2]} values each "
+        f"({shown}); each judged on a thinning that keeps its highest, lowest and first and last "
+        "non-finite values"
+    )
+    at = warnings.index(thinned[0][0])
+    dropped = {w for w, _ in thinned}
+    rest = [w for w in warnings if w not in dropped]
+    return [*rest[:at], line, *rest[at:]]
 
 
 def _the_log_in(folder: Path, chosen: LogFormat | None) -> tuple[Path, str]:
@@ -630,7 +651,7 @@ def delimiter_of(p: Path, first: str) -> str | None:
 def header_line(p: Path) -> str:
     """A file's first line, without its byte order mark and line end."""
     with open_bytes(p) as f:
-        return header_bytes(f, p).decode("utf-8-sig", errors="replace").rstrip("\r\n")
+        return header_bytes(f).decode("utf-8-sig", errors="replace").rstrip("\r\n")
 
 
 def header_of(first: str, delimiter: str, p: Path | None = None) -> list[str]:
@@ -786,27 +807,31 @@ def delimited(
     loss column is an evaluation's, thinned past `MAX_EVAL_ROWS`. A row longer than
     `MAX_LINE_BYTES` that spans blocks is passed over, never gathered."""
     out = _Columns(other_rows=other_rows, evaluation=evaluation)
-    long = 0
+    cut = 0  # rows too long to hold, read from their first MAX_LINE_BYTES
     with open_bytes(p) as f:
-        first = header_bytes(f, p).decode("utf-8-sig", errors="replace")
+        first = header_bytes(f).decode("utf-8-sig", errors="replace")
         columns = header_of(first, delimiter, p)
         for key in ("step", "loss"):
             if names[key] not in columns:
                 raise _missing(p, names[key], columns)
         wanted = {k: v for k, v in names.items() if v in columns}
         where = {key: columns.index(name) for key, name in wanted.items()}
-        line, rest, tail, skipping = 2, b"", first[-1:], False
+        line, rest, tail, head = 2, b"", first[-1:], None
         while True:
             chunk = f.read(BLOCK_BYTES)
             tail = chunk[-1:].decode("latin-1") if chunk else tail
-            if skipping and chunk:  # the rest of a row too long to hold
+            if head is not None:  # the rest of a row too long to hold streams by
                 end = chunk.find(b"\n")
-                if end < 0:
+                if chunk and end < 0:
                     continue
-                chunk, skipping, line = chunk[end + 1 :], False, line + 1
+                if chunk:
+                    chunk = head + chunk[end:]
+                else:  # the file ends inside it
+                    rest = head
+                head = None
             data = rest + chunk
-            cut = data.rfind(b"\n") + 1 if chunk else len(data)
-            data, rest = data[:cut], data[cut:]
+            end = data.rfind(b"\n") + 1 if chunk else len(data)
+            data, rest = data[:end], data[end:]
             if data.strip():
                 block = _fast_block(data, delimiter, where)
                 if block is None:
@@ -815,28 +840,27 @@ def delimited(
                         block = _slow_block(text.splitlines(), delimiter, where, line, out)
                 out.add(block)
             line += data.count(b"\n")
-            if len(rest) > MAX_LINE_BYTES:
-                long, rest, skipping = long + 1, b"", True
+            if len(rest) > MAX_LINE_BYTES:  # its first cells are kept, the rest passed over
+                cut, head, rest = cut + 1, rest[:MAX_LINE_BYTES], b""
             if not chunk:
                 break
-    if tail and tail != "\n" and not skipping:
+    if tail and tail != "\n":
         out.unfinished = line
-    if long:
+    if cut:
         out.notes.append(
-            f"passed over {long:,} row(s) longer than {MAX_LINE_BYTES:,} bytes, unread"
+            f"read {cut:,} row(s) longer than {MAX_LINE_BYTES:,} bytes from their first "
+            f"{MAX_LINE_BYTES:,} bytes only (a cell after that reads as empty)"
         )
     return out.finish(p)
 
 
-def header_bytes(f: IO[bytes], p: Path) -> bytes:
-    """A CSV's first line as read from `f`, refused in one line when it is over
-    `MAX_LINE_BYTES` (no header of column names is that long)."""
-    first = f.readline(MAX_LINE_BYTES + 1)
-    if len(first) > MAX_LINE_BYTES:
-        raise TrainguardError(
-            f"{p}: the first line is over {MAX_LINE_BYTES:,} bytes, not a header of column "
-            "names; give a CSV whose first line names its columns"
-        )
+def header_bytes(f: IO[bytes]) -> bytes:
+    """A CSV's first line as read from `f`: its first `MAX_LINE_BYTES` when it is longer (the
+    rest passed over as it streams by, never held)."""
+    first = f.readline(MAX_LINE_BYTES)
+    if len(first) == MAX_LINE_BYTES and not first.endswith(b"\n"):
+        while (more := f.readline(READ_BYTES)) and not more.endswith(b"\n"):
+            pass
     return first
 
 
