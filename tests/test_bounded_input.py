@@ -253,3 +253,17 @@ def test_many_thinned_evaluations_are_said_in_one_line(tmp_path, monkeypatch):
         "and last non-finite values"
     ]
     assert all(len(steps) <= 100 for steps, _ in data.evaluations.values())
+
+
+def test_a_thinned_metrics_jsonl_keeps_the_precursors_of_its_kept_steps_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(logs, "MAX_ROWS", 1_000)
+    monkeypatch.setattr(logs, "FLUSH_ROWS", 500)
+    probe = {"attn_max_logit": {"layer0": 5.0}}
+    lines = [
+        json.dumps({"step": i, "loss": 2.0, **({"precursors": probe} if i % 10 == 0 else {})})
+        for i in range(20_000)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    data = read_log(tmp_path / "metrics.jsonl")
+    assert data.precursors is not None and len(data.precursors) == len(data.steps) <= 1_000
+    assert [p is not None for p in data.precursors] == [s % 10 == 0 for s in data.steps]

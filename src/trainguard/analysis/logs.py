@@ -979,7 +979,7 @@ def jsonl(
     out = _Columns()
     cols: dict[str, array[float]] = {k: array("d") for k in names}
     precursors: dict[int, Any] = {}  # step -> its last row's precursors, where any row had some
-    lineno = 0
+    lineno = pruned = 0  # pruned: the precursors kept at the last pruning
     with open_bytes(p) as f:
         lines = BoundedLines(f)
         for lineno, line in enumerate(lines, 1):
@@ -1000,8 +1000,8 @@ def jsonl(
             if len(cols["step"]) >= FLUSH_ROWS:
                 out.add({k: np.frombuffer(v, dtype=np.float64) for k, v in cols.items()})
                 cols = {k: array("d") for k in names}
-                if out.rows.thinned:
-                    _prune_precursors(precursors, out.rows)
+                if out.rows.thinned and len(precursors) > max(FLUSH_ROWS, 2 * pruned):
+                    pruned = _prune_precursors(precursors, out.rows)
     if lines.unfinished:
         out.unfinished = lineno
     for key in ("step", "loss"):
@@ -1026,11 +1026,13 @@ def _no_bom(line: bytes) -> bytes:
     return line.removeprefix(b"\xef\xbb\xbf")
 
 
-def _prune_precursors(precursors: dict[int, Any], rows: Thinner) -> None:
-    """Drop the precursors of steps a thinning dropped (they are judged on no kept row)."""
+def _prune_precursors(precursors: dict[int, Any], rows: Thinner) -> int:
+    """Drop the precursors of steps a thinning dropped (they are judged on no kept row); how
+    many are left."""
     kept = set(rows.kept["step"].astype(np.int64).tolist())
     for step in [s for s in precursors if s not in kept]:
         del precursors[step]
+    return len(precursors)
 
 
 class Evaluation:
