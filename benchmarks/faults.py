@@ -1,6 +1,7 @@
 """Faults from outside the model: SIGKILL at random moments (some inside a checkpoint write),
-damaged and mismatched checkpoints, pickle payloads in DCP's metadata, and a full disk under the
-whole run folder; trials and failures of each, written into RESULTS.md.
+damaged and mismatched checkpoints, pickle payloads in DCP's metadata, a full disk under the
+whole run folder, and links planted in a run folder; trials and failures of each, written into
+RESULTS.md.
 
 python benchmarks/faults.py [--kills 24] [--seed 0] [--disk-mib 8]
 """
@@ -263,6 +264,92 @@ def disk_full_trial(work: Path, mib: int) -> dict[str, object]:
         disk.unmount()
 
 
+LINKED = (  # the names a guard writes in its run folder, each planted as a link to elsewhere
+    ".lock",
+    "config.json",
+    "metrics.jsonl",
+    "events.jsonl",
+    "evals.jsonl",
+    "checkpoints",
+    "checkpoints/blobs",
+    "checkpoints/step-5",
+)
+
+
+def link_trials(work: Path) -> tuple[str, dict[str, int]]:
+    """Each name the guard writes, planted in a new run folder as a symlink to a file or folder
+    outside it with known bytes (a torn last line, to tempt the log repair); a short dedup run
+    with a lost resume, then `Guard.resume`. Nothing outside may change."""
+    counts = {"links": 0, "outside changed": 0, "told": 0}
+    rows = []
+    for name in LINKED:
+        run_dir = work / "links" / name.replace("/", "_")
+        outside = work / "outside" / name.replace("/", "_")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(outside, ignore_errors=True)
+        outside.mkdir(parents=True)
+        target = outside / "target"
+        if name in ("checkpoints", "checkpoints/blobs", "checkpoints/step-5"):
+            target.mkdir()
+            for i in range(3):  # another run's files, which nothing here may delete
+                (target / f"{i:064x}").write_bytes(bytes([i]) * 4000)
+        else:
+            target.write_bytes(b'{"step": 1}\n' * 300 + b'{"torn')
+        before = _tree(outside)
+        link = run_dir / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(target, target_is_directory=target.is_dir())
+        told: list[str] = []
+        for resume in (False, True):
+            try:
+                model, opt = tiny_setup()
+                config = tiny_config(dedup=True)
+                config.recovery.checkpoint_every = 5
+                if resume:
+                    guard = tg.Guard.resume(run_dir, model, opt, config=config)
+                else:
+                    guard = tg.Guard(model, opt, config=config, run_dir=run_dir)
+                x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+                for _ in range(12):
+                    loss = model(x).pow(2).mean()
+                    loss.backward()
+                    guard.step(loss)
+                    opt.zero_grad()
+                    if guard.global_step % 5 == 0:
+                        guard.evaluate(guard.global_step, {"eval_loss": float(loss)})
+                guard.close()
+                told += [
+                    str(e["message"]).splitlines()[0]
+                    for e in _events(run_dir)
+                    if "link" in str(e.get("message", ""))
+                ][:1]
+            except tg.TrainguardError as exc:
+                told.append(str(exc).splitlines()[0])
+            except Exception as exc:
+                told.append(f"TRACEBACK {type(exc).__name__}: {exc}")
+        changed = _tree(outside) != before
+        counts["links"] += 1
+        counts["outside changed"] += changed
+        counts["told"] += bool(told) and not any(t.startswith("TRACEBACK") for t in told)
+        said = told[0] if told else "nothing"
+        rows.append(
+            f"| `{name}` | {'**CHANGED**' if changed else 'unchanged'} | {said.replace('|', '/')} |"
+        )
+    table = "\n".join(
+        ["| planted link | files outside | what the user was told |", "|---|---|---|", *rows]
+    )
+    return table, counts
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    """Every file under `root` (not following links) and its bytes."""
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
+
+
 def _is_json(line: bytes) -> bool:
     try:
         json.loads(line)
@@ -286,6 +373,8 @@ def main() -> None:
         print("payloads", payload, file=sys.stderr)
         disk = disk_full_trial(work, args.disk_mib)
         print("disk", disk, file=sys.stderr)
+        link_table, links = link_trials(work)
+        print("links", links, file=sys.stderr)
         kill_table, kills = kill_trials(args.kills, rng, work)
         print("kills", kills, file=sys.stderr)
     body = "\n".join(
@@ -311,6 +400,14 @@ def main() -> None:
             f"updated): {payload['ran code']} ran code, {payload['passed over']} passed over.",
             "",
             "**Full disk**: " + "; ".join(f"{k}: {v}" for k, v in disk.items()) + ".",
+            "",
+            f"**Links planted in a run folder** ({links['links']} names the guard writes, each "
+            "a symlink to a file or folder outside the run folder with known bytes; a new "
+            "dedup run of 12 steps, a checkpoint every 5, then `Guard.resume`): "
+            f"{links['outside changed']} changed anything outside, {links['told']} told the "
+            "user in one line.",
+            "",
+            link_table,
         ]
     )
     write_section(
