@@ -264,6 +264,47 @@ def disk_full_trial(work: Path, mib: int) -> dict[str, object]:
         disk.unmount()
 
 
+def blob_repair_trial(work: Path) -> dict[str, object]:
+    """A frozen weight's blob damaged on disk (one byte flipped) after the step-10 save of a
+    dedup run; training goes on to step 25 (a checkpoint every 5), then `Guard.resume`."""
+    run_dir = work / "blob-repair"
+    model, opt = tiny_setup()
+    model[0].weight.requires_grad_(False)  # type: ignore[index]
+    config = tiny_config(dedup=True)
+    config.recovery.checkpoint_every = 5
+    guard = tg.Guard(model, opt, config=config, run_dir=run_dir)
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    while guard.global_step < 25:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        guard.step(loss)
+        opt.zero_grad()
+        if guard.global_step == 10:
+            table = json.loads((run_dir / "checkpoints/step-10/tensors.json").read_text())
+            blob = table["tensors"]["model.0.weight"]["chunks"][0]["blob"]
+            path = run_dir / "checkpoints/blobs" / blob
+            data = bytearray(path.read_bytes())
+            data[5] ^= 0x10
+            path.write_bytes(bytes(data))
+    guard.close()
+    live = {k: v.clone() for k, v in model.state_dict().items()}
+    warned = [
+        str(e["message"]).splitlines()[0]
+        for e in _events(run_dir)
+        if e["kind"] == "checkpoint" and "damaged" in str(e.get("message", ""))
+    ]
+    model2, opt2 = tiny_setup()
+    again = tg.Guard.resume(run_dir, model2, opt2, config=config)
+    again.close()
+    same = all(torch.equal(v, live[k]) for k, v in model2.state_dict().items())
+    return {
+        "warned during training": len(warned),
+        "first warning": warned[0] if warned else "none",
+        "resumed from step": again.global_step,
+        "weights bit-equal to the live run": same,
+    }
+
+
 LINKED = (  # the names a guard writes in its run folder, each planted as a link to elsewhere
     ".lock",
     "config.json",
@@ -373,6 +414,8 @@ def main() -> None:
         print("payloads", payload, file=sys.stderr)
         disk = disk_full_trial(work, args.disk_mib)
         print("disk", disk, file=sys.stderr)
+        repair = blob_repair_trial(work)
+        print("blob repair", repair, file=sys.stderr)
         link_table, links = link_trials(work)
         print("links", links, file=sys.stderr)
         kill_table, kills = kill_trials(args.kills, rng, work)
@@ -400,6 +443,11 @@ def main() -> None:
             f"updated): {payload['ran code']} ran code, {payload['passed over']} passed over.",
             "",
             "**Full disk**: " + "; ".join(f"{k}: {v}" for k, v in disk.items()) + ".",
+            "",
+            "**A damaged blob** (one byte flipped in a frozen weight's blob after the step-10 "
+            "save of a dedup run, training on to step 25, a checkpoint every 5, then resume): "
+            + "; ".join(f"{k}: {v}" for k, v in repair.items())
+            + ".",
             "",
             f"**Links planted in a run folder** ({links['links']} names the guard writes, each "
             "a symlink to a file or folder outside the run folder with known bytes; a new "
