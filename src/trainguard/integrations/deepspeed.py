@@ -735,6 +735,8 @@ def verify_tag(folder: Path, world: int) -> dict[str, Any]:
     size and step-bound digest; `DamagedCheckpoint` saying what does not check out (a different
     world size is a `TrainguardError`: no older checkpoint fits either)."""
     step = step_of_tag(folder.name)
+    if (folder / MANIFEST).is_symlink():
+        raise DamagedCheckpoint(f"its {MANIFEST} is a link")
     manifest = read_json(folder / MANIFEST, "a JSON manifest")
     if not isinstance(manifest, dict):
         raise DamagedCheckpoint(f"its {MANIFEST} is not a JSON object")
