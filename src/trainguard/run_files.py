@@ -28,8 +28,8 @@ class RunFileError(TrainguardError, OSError):
     """A link or non-regular file where a run file belongs; an OSError too, so that a writer
     that survives a failing disk mid-run says it and goes on."""
 
-    def __init__(self, path: Path, what: str) -> None:
-        message = f"{path} is {what}; trainguard never writes or reads through it: {FIX}"
+    def __init__(self, path: Path, what: str, fix: str = FIX) -> None:
+        message = f"{path} is {what}; trainguard never writes or reads through it: {fix}"
         code = errno.ELOOP if what == "a symbolic link" else errno.EINVAL
         super().__init__(code, message)
 
@@ -52,13 +52,13 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _refusal(path: Path) -> RunFileError | None:
+def _refusal(path: Path, fix: str = FIX) -> RunFileError | None:
     """The error for what stands at `path` when it is not a regular file; None otherwise."""
     try:
         mode = os.lstat(path).st_mode
     except OSError:
         return None
-    return None if stat.S_ISREG(mode) else RunFileError(path, _kind(mode))
+    return None if stat.S_ISREG(mode) else RunFileError(path, _kind(mode), fix)
 
 
 def open_regular(path: Path, flags: int, mode: int = 0o666) -> int:
@@ -107,21 +107,25 @@ def create_temporary(folder: Path, prefix: str) -> tuple[int, Path]:
     raise FileExistsError(errno.EEXIST, f"no free temporary name in {folder}")
 
 
-def check_replaceable(path: Path) -> None:
+def check_replaceable(path: Path, fix: str = FIX) -> None:
     """Raise a `RunFileError` when something other than a regular file (a link, a FIFO, a
     folder) stands at `path`, which a writer is about to replace."""
-    refused = _refusal(path)
+    refused = _refusal(path, fix)
     if refused is not None:
         raise refused
 
 
 def write_atomically(
-    path: Path, data: bytes, opener: Callable[[int], io.FileIO] | None = None
+    path: Path,
+    data: bytes,
+    opener: Callable[[int], io.FileIO] | None = None,
+    fix: str = FIX,
 ) -> None:
     """Replace `path` with `data` whole or not at all: a fresh temporary beside it (an
     unpredictable name), written, fsync'd and renamed over `path`; a link or non-regular file
-    at `path` is refused, not replaced. `opener` wraps the temporary's descriptor."""
-    check_replaceable(path)
+    at `path` is refused (its error says `fix`), not replaced. `opener` wraps the temporary's
+    descriptor."""
+    check_replaceable(path, fix)
     fd, tmp = create_temporary(path.parent, f".{path.name}.tmp-")
     try:
         with (opener or _file_io)(fd) as f:

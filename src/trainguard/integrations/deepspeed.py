@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -567,14 +566,12 @@ def _replicates_module(engine: Any, world: int) -> bool:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` whole or not at all (a temporary file, fsynced, renamed)."""
+    """Write `text` to `path` whole or not at all (a fresh temporary of an unpredictable name,
+    fsynced, renamed); a link or FIFO at `path` is a `RunFileError`, never written through."""
+    from trainguard.run_files import write_atomically
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomically(path, text.encode())
 
 
 def _version() -> str:
