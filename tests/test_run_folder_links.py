@@ -16,6 +16,7 @@ import torch
 import trainguard as tg
 from checkpoint_damage import tiny_config, tiny_setup, train
 from trainguard.actions.checkpoints import CheckpointStore
+from trainguard.actions.quarantine import Quarantine
 from trainguard.run_files import RunFileError, create_temporary, remove_tree, write_atomically
 
 # no newline at its end: the old "torn last line" repair cut all of it off
@@ -188,3 +189,19 @@ def test_write_atomically_leaves_nothing_behind_when_the_write_fails(
     with pytest.raises(OSError):
         write_atomically(tmp_path / "a.json", b"{}", refuse)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_link_planted_over_quarantine_jsonl_mid_run_is_said_and_its_record_kept(
+    run_dir: Path, target: Path
+) -> None:
+    said: list[str] = []
+    path = run_dir / "quarantine.jsonl"
+    quarantine = Quarantine(path, said.append)
+    quarantine.add(3, "loss spike", 9.0, ["b3"])
+    path.unlink()  # the file is reopened for each record: the link is met at the next one
+    path.symlink_to(target)
+    quarantine.add(7, "loss spike", 9.0, ["b7"])
+    quarantine.close()
+    assert target.read_bytes() == PRECIOUS
+    assert quarantine.contains(["b7"]) and quarantine.unwritten == 1
+    assert said[0].startswith(f"{path} is a symbolic link; {FIX}; keeping its lines")

@@ -98,16 +98,21 @@ class LineFile:
         self._retry_at = self.clock() + self.retry_s
         if not self._failing:
             self._failing = True
+            # a link or FIFO planted in its place names the file itself
+            why = (
+                str(exc)
+                if isinstance(exc, RunFileError)
+                else f"{self.path}: {describe_os_error(exc)}"
+            )
             if self.keep:
                 self.report(
-                    f"{self.path}: {describe_os_error(exc)}; keeping its lines in memory "
+                    f"{why}; keeping its lines in memory "
                     f"until it can be written again ({len(self.unwritten)} so far){self.note}"
                 )
             else:
                 so_far = f" ({self.dropped} so far)" if self.dropped else ""
                 self.report(
-                    f"{self.path}: {describe_os_error(exc)}; dropping lines until it can be "
-                    f"written again{so_far}{self.note}"
+                    f"{why}; dropping lines until it can be written again{so_far}{self.note}"
                 )
 
     def write(self, data: bytes, sync: bool = False) -> bool:

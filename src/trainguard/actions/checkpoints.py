@@ -180,6 +180,13 @@ class BufferStager(AsyncStager):
             self.memory.clear()
 
 
+def check_checkpoint_folders(directory: Path) -> None:
+    """Raise a `RunFileError` when `directory` (`run_dir/checkpoints`) or its `blobs/` is a
+    symbolic link or no folder: nothing is written or pruned through a planted link."""
+    check_folder(directory)
+    check_folder(directory / BLOBS)
+
+
 class CheckpointStore:
     """`directory/step-N/`: the tensors, `trainguard.json` (plain state) and `manifest.json`
     (step, time, sha256 of each file, version, incident state), renamed in place when complete.
@@ -371,8 +378,7 @@ class CheckpointStore:
 
     def _check_folders(self) -> None:
         """Raise a `RunFileError` when `checkpoints/` or its `blobs/` is a link or no folder."""
-        check_folder(self.directory)
-        check_folder(self.blobs)
+        check_checkpoint_folders(self.directory)
 
     def _prune(self) -> None:
         """Keep the newest `keep` complete checkpoints and the protected ones, and the blobs
