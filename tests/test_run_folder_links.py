@@ -146,6 +146,7 @@ def test_checkpoints_folder_planted_as_a_link_is_refused_at_the_start(
         start_guard(run_dir)
     assert str(caught.value) == f"{run_dir / 'checkpoints'} is a symbolic link; {FIX}"
     assert [p.name for p in elsewhere.iterdir()] == ["step-10"]
+    assert list(run_dir.iterdir()) == [run_dir / "checkpoints"]  # refused before the lock
 
 
 def test_remove_tree_removes_links_inside_as_links(tmp_path: Path, target: Path) -> None:
