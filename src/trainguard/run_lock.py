@@ -17,6 +17,7 @@ from typing import Any
 
 from trainguard.events import TrainguardError, _utc_now
 from trainguard.line_file import FULL_DISK, Report, describe_os_error, stderr_report
+from trainguard.run_files import APPEND, RunFileError, open_regular, read_bytes
 
 if sys.platform != "win32":
     import fcntl
@@ -50,7 +51,9 @@ class RunLock:
         unlocked = f"the run goes on without a lock: make sure no other run writes to {run_dir}"
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            file = io.FileIO(path, "a+")
+            file = io.FileIO(open_regular(path, APPEND), "a+")  # nothing cut before the lock
+        except RunFileError:
+            raise  # a link or FIFO planted as the lock: never truncated, never written
         except OSError as exc:
             if exc.errno in FULL_DISK:
                 report(f"cannot make {path} ({describe_os_error(exc)}); {unlocked}")
@@ -142,7 +145,7 @@ def local_holder(run_dir: Path) -> tuple[int, bool] | None:
     that process still lives (a run killed before `close()` leaves its pid there; `release`
     empties the file); None when there is none, or it ran on another host."""
     try:
-        holder = json.loads((run_dir / LOCK_NAME).read_bytes()[:4096])
+        holder = json.loads(read_bytes(run_dir / LOCK_NAME, 4096))
     except (OSError, ValueError):
         return None
     if not isinstance(holder, dict) or holder.get("host") != socket.gethostname():

@@ -10,7 +10,6 @@ import json
 import math
 import os
 import re
-import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -39,6 +38,7 @@ from trainguard.actions.checkpoint_files import (
     read_json,
 )
 from trainguard.events import TrainguardError
+from trainguard.run_files import create_temporary, write_atomically
 
 BLOBS = "blobs"  # the folder of blobs, next to the `step-N` folders it serves
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -172,9 +172,9 @@ class BlobWriter(StorageWriter):
     @staticmethod
     def _write_blob(target: Path, data: torch.Tensor) -> None:
         """Write a blob whole or not at all: into a temporary name, synced, then renamed."""
-        tmp = target.with_name(f"{_TMP}{target.name}-{uuid.uuid4().hex[:8]}")
+        fd, tmp = create_temporary(target.parent, f"{_TMP}{target.name}-")  # O_EXCL, no link
         try:
-            with tmp.open("wb") as f:
+            with open(fd, "wb") as f:
                 f.write(byte_view(data).numpy().data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -205,10 +205,7 @@ class BlobWriter(StorageWriter):
                 "size": list(meta.size),
                 "chunks": chunks,
             }
-        with (self.path / TENSOR_TABLE).open("w") as f:
-            json.dump({"tensors": table}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        write_atomically(self.path / TENSOR_TABLE, json.dumps({"tensors": table}).encode())
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from trainguard._torch_private import DcpStorageInfo
 from trainguard.events import TrainguardError
+from trainguard.run_files import READ, open_regular, read_bytes
 
 MANIFEST = "manifest.json"
 PLAIN_STATE = "trainguard.json"
@@ -248,7 +249,7 @@ def file_digest(path: Path, step: int | None) -> str:
     manifests before `DIGEST_SCHEME` hold)."""
     header = "" if step is None else f"trainguard checkpoint step {step} file {path.name}\n"
     digest = hashlib.sha256(header.encode())
-    with path.open("rb") as f:
+    with open(open_regular(path, READ), "rb") as f:  # a planted FIFO is refused, not read
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
@@ -262,7 +263,7 @@ def passed_over(path: Path, exc: DamagedCheckpoint) -> str:
 def read_json(path: Path, what: str) -> Any:
     """A JSON file of a checkpoint, or `DamagedCheckpoint` naming the file and the fault."""
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
+        return json.loads(read_bytes(path).decode("utf-8"))
     except FileNotFoundError:
         raise DamagedCheckpoint(f"its {path.name} is missing") from None
     except OSError as exc:

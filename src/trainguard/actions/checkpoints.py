@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import threading
 import uuid
 import warnings
@@ -59,6 +58,12 @@ from trainguard.actions.checkpoint_files import (
 from trainguard.actions.snapshots import rng_from_plain, rng_state, rng_to_plain, set_rng_state
 from trainguard.distributed.context import RankContext
 from trainguard.events import TrainguardError, _utc_now
+from trainguard.run_files import (
+    check_folder,
+    make_folder,
+    remove_tree,
+    write_atomically,
+)
 
 PREFIX = "step-"
 Accepted = TypeVar("Accepted")
@@ -175,6 +180,13 @@ class BufferStager(AsyncStager):
             self.memory.clear()
 
 
+def check_checkpoint_folders(directory: Path) -> None:
+    """Raise a `RunFileError` when `directory` (`run_dir/checkpoints`) or its `blobs/` is a
+    symbolic link or no folder: nothing is written or pruned through a planted link."""
+    check_folder(directory)
+    check_folder(directory / BLOBS)
+
+
 class CheckpointStore:
     """`directory/step-N/`: the tensors, `trainguard.json` (plain state) and `manifest.json`
     (step, time, sha256 of each file, version, incident state), renamed in place when complete.
@@ -192,6 +204,7 @@ class CheckpointStore:
     ) -> None:
         self.directory = Path(directory)
         self.blobs = self.directory / BLOBS
+        self._check_folders()  # a link planted as checkpoints/ or blobs/: refused at the start
         self.dedup = dedup
         self._memory = DigestMemory() if dedup else None
         self.written: dict[str, int] = {}  # this rank's last save: blob bytes written, hashed
@@ -229,11 +242,14 @@ class CheckpointStore:
         self._pending = finished
         try:
             if ranks is None:
-                self.directory.mkdir(parents=True, exist_ok=True)
+                make_folder(self.directory)
+                self._check_folders()
             else:  # each rank's own plain state, on disk before DCP's last barrier
                 try:
-                    tmp.mkdir(parents=True, exist_ok=True)
-                    (tmp / plain_name(ranks.rank)).write_text(plain_text)
+                    make_folder(self.directory)
+                    self._check_folders()
+                    tmp.mkdir(exist_ok=True)
+                    write_atomically(tmp / plain_name(ranks.rank), plain_text.encode())
                 except OSError as exc:  # DCP's collectives must still run on this rank
                     self._fail(step, None, exc)
             future = self._write(tmp, tensors, no_dist=ranks is None and _no_dist())
@@ -301,7 +317,7 @@ class CheckpointStore:
         and the blobs it wrote that no kept checkpoint uses (every rank's writes are over once
         DCP's save has failed on rank 0)."""
         if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp, self._note)
             with contextlib.suppress(OSError):
                 self._collect()
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _first_line(exc)
@@ -314,8 +330,9 @@ class CheckpointStore:
     def _finish(
         self, step: int, tmp: Path, plain_text: str | None, manifest: dict[str, Any]
     ) -> None:
+        self._check_folders()  # a link planted since the save began: nothing is pruned through it
         if plain_text is not None:
-            (tmp / PLAIN_STATE).write_text(plain_text)
+            write_atomically(tmp / PLAIN_STATE, plain_text.encode())
         files = {p.name: file_digest(p, step) for p in sorted(tmp.iterdir()) if p.is_file()}
         if self.ranks is not None:
             ranks_written = sum(1 for n in files if n.startswith("trainguard-rank"))
@@ -335,13 +352,10 @@ class CheckpointStore:
             chunks = [c for entry in table.values() for c in entry["chunks"]]
             record["storage"] = BLOB_STORAGE
             record["blobs"] = {c["blob"]: c["bytes"] for c in chunks}
-        with (tmp / MANIFEST).open("w") as f:
-            json.dump(record, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        write_atomically(tmp / MANIFEST, json.dumps(record, indent=1).encode())
         fsync_dir(tmp)
         final = self.directory / f"{PREFIX}{step}"
-        if final.exists():  # a replayed step after a rollback: the newer trajectory wins
+        if os.path.lexists(final):  # a replayed step after a rollback: the newer trajectory wins
             self._delete(final)
         os.rename(tmp, final)
         fsync_dir(self.directory)
@@ -350,9 +364,21 @@ class CheckpointStore:
     def _delete(self, path: Path) -> None:
         """Remove a checkpoint folder: renamed out of the `step-N` names first, so that a crash
         while deleting leaves no half checkpoint, only a leftover the next prune removes."""
+        if path.is_symlink():  # planted: what it points to is not this run's to delete
+            remove_tree(path, self._note)
+            return
         doomed = path.with_name(f".{path.name}.deleted-{uuid.uuid4().hex[:8]}")
         os.rename(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        remove_tree(doomed, self._note)
+
+    def _note(self, message: str) -> None:
+        """Keep a warning for `Checkpointing.report_errors` (the writer may be a thread)."""
+        with self._lock:
+            self.errors.append(message)
+
+    def _check_folders(self) -> None:
+        """Raise a `RunFileError` when `checkpoints/` or its `blobs/` is a link or no folder."""
+        check_checkpoint_folders(self.directory)
 
     def _prune(self) -> None:
         """Keep the newest `keep` complete checkpoints and the protected ones, and the blobs
@@ -364,11 +390,12 @@ class CheckpointStore:
             if step_of(path) not in keep:
                 self._delete(path)
         for leftover in self.directory.glob(f".{PREFIX}*.deleted-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+            remove_tree(leftover, self._note)
         self._collect()
 
     def _collect(self) -> None:
         """Delete the blobs no `step-N` folder's manifest names (between saves only)."""
+        self._check_folders()  # never collect in a folder a link leads to
         if self.blobs.is_dir():
             collect_blobs(self.blobs, self._referenced())
 
@@ -484,9 +511,9 @@ class CheckpointStore:
         if self.directory.is_dir():
             for p in sorted(self.directory.iterdir()):
                 if p.name.startswith(f".{PREFIX}") and ".deleted-" in p.name:
-                    shutil.rmtree(p, ignore_errors=True)  # a deletion a crash cut short
+                    remove_tree(p, warn)  # a deletion a crash cut short
                 elif p.name.startswith(f".{PREFIX}") and ".tmp-" in p.name:
-                    shutil.rmtree(p, ignore_errors=True)
+                    remove_tree(p, warn)
                     warn(
                         f"{p.name}: an incomplete checkpoint (the run stopped while writing it); "
                         "removed"

@@ -31,7 +31,6 @@ import math
 import os
 import pickle
 import re
-import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -62,6 +61,7 @@ from trainguard.integrations import _deepspeed_private as private
 from trainguard.moe.routing import RoutingStats
 from trainguard.monitor import Monitor, checked_token_accuracy
 from trainguard.recovery import Recovery
+from trainguard.run_files import remove_tree
 from trainguard.signals.gradients import FIRST_NONFINITE, Measurement, StepSignals
 from trainguard.sinks import Sink
 
@@ -543,9 +543,9 @@ class DeepSpeedGuard(Guard):
                 os.rename(path, doomed)
             except OSError:
                 continue
-            shutil.rmtree(doomed, ignore_errors=True)
+            remove_tree(doomed, self._warn)
         for leftover in directory.glob(f".{TAG_PREFIX}*.deleted-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+            remove_tree(leftover, self._warn)
 
     @classmethod
     def resume(  # type: ignore[override]
@@ -823,14 +823,12 @@ def _replicates_module(engine: Any, world: int) -> bool:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` whole or not at all (a temporary file, fsynced, renamed)."""
+    """Write `text` to `path` whole or not at all (a fresh temporary of an unpredictable name,
+    fsynced, renamed); a link or FIFO at `path` is a `RunFileError`, never written through."""
+    from trainguard.run_files import write_atomically
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomically(path, text.encode())
 
 
 def _unpickling_reason(exc: pickle.UnpicklingError) -> str:

@@ -3,7 +3,6 @@ the incidents on them, a heat map of layer-group grad norms, incident cards, lin
 
 from __future__ import annotations
 
-import contextlib
 import html
 import json
 import math
@@ -16,6 +15,7 @@ import numpy as np
 
 from trainguard.analysis.run import RunRecord
 from trainguard.events import SEVERITY_RANK, TrainguardError
+from trainguard.run_files import write_atomically
 
 MAX_POINTS = 6000  # per trace: min/max per bucket keeps every spike visible
 MAX_HEAT_COLUMNS = 600
@@ -184,14 +184,8 @@ def write_report(record: RunRecord, out: str | Path, title: str | None = None) -
         + "\n".join(body)
         + f'<script type="text/javascript">{data}\n{scripts}</script></body></html>\n'
     )
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(page, encoding="utf-8")
-        tmp.replace(path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()  # no half-written page is left behind
-        raise
+    # a fresh temporary of an unpredictable name, renamed over the page: none half-written
+    write_atomically(path, page.encode("utf-8"), fix="remove it or choose another output file")
     return path
 
 
