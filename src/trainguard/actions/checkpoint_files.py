@@ -3,15 +3,18 @@ right shape, and DCP metadata read through an exact allow-list that can construc
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
+import os
 import pickle
 import pickletools
 import re
+import stat
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -168,11 +171,35 @@ class MetadataUnpickler(pickle.Unpickler):
         raise DamagedCheckpoint(f"its {METADATA} holds a persistent id; refusing to unpickle it")
 
 
+def open_regular(path: Path) -> BinaryIO:
+    """Open a checkpoint file for reading only if it is a regular file: never through a symlink,
+    never blocking on a FIFO or opening a device (`OSError` saying so otherwise)."""
+    kind = os.lstat(path).st_mode
+    if not stat.S_ISREG(kind):
+        what = "a symbolic link" if stat.S_ISLNK(kind) else "not a regular file"
+        raise OSError(errno.EINVAL, what, str(path))
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)  # the checks again on what was opened: it may have been swapped
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: Path) -> bytes:
+    """The bytes of a checkpoint file that is a regular file (`open_regular`)."""
+    with open_regular(path) as f:
+        return f.read()
+
+
 def read_metadata(path: Path, files: dict[str, str] | None = None) -> Metadata:
     """The DCP metadata of the checkpoint at `path`, unpickled safely and checked: every entry a
     tensor, every storage file a plain name in the folder (and in `files`, the manifest's list)."""
     try:
-        raw = (path / METADATA).read_bytes()
+        raw = read_regular(path / METADATA)
     except OSError as exc:
         raise DamagedCheckpoint(f"its {METADATA} cannot be read ({exc.strerror})") from None
     check_pickle_program(raw)
@@ -248,7 +275,7 @@ def file_digest(path: Path, step: int | None) -> str:
     manifests before `DIGEST_SCHEME` hold)."""
     header = "" if step is None else f"trainguard checkpoint step {step} file {path.name}\n"
     digest = hashlib.sha256(header.encode())
-    with path.open("rb") as f:
+    with open_regular(path) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
@@ -262,7 +289,7 @@ def passed_over(path: Path, exc: DamagedCheckpoint) -> str:
 def read_json(path: Path, what: str) -> Any:
     """A JSON file of a checkpoint, or `DamagedCheckpoint` naming the file and the fault."""
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
+        return json.loads(read_regular(path).decode("utf-8"))
     except FileNotFoundError:
         raise DamagedCheckpoint(f"its {path.name} is missing") from None
     except OSError as exc:
