@@ -311,8 +311,9 @@ class CheckpointStore:
         elsewhere = foreign_blobs(self.directory)
         if elsewhere is None:
             return True
-        if not self._foreign_said:
-            self._foreign_said = True
+        with self._lock:  # saves and the writer's collection both ask
+            first, self._foreign_said = not self._foreign_said, True
+        if first:
             self._say(
                 f"{self.blobs} resolves to {elsewhere}, outside the run folder: checkpoints "
                 "write their blobs there but never delete any (other runs may use them), so "
