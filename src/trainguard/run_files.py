@@ -32,9 +32,16 @@ class RunFileError(TrainguardError, OSError):
         message = f"{path} is {what}; trainguard never writes or reads through it: {fix}"
         code = errno.ELOOP if what == "a symbolic link" else errno.EINVAL
         super().__init__(code, message)
+        self.what = what
 
     def __str__(self) -> str:
         return str(self.strerror)
+
+
+def reason(exc: OSError) -> str:
+    """Why a file could not be opened, in a few words: what a `RunFileError` found there, else
+    the system's word."""
+    return exc.what if isinstance(exc, RunFileError) else str(exc.strerror or exc)
 
 
 def _kind(mode: int) -> str:

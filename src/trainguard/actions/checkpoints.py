@@ -33,6 +33,7 @@ from trainguard.actions.checkpoint_blobs import (
     BlobWriter,
     DigestMemory,
     collect_blobs,
+    foreign_blobs,
     fsync_dir,
     read_table,
     same_bytes,
@@ -216,7 +217,8 @@ class CheckpointStore:
         self.asynchronous = asynchronous
         self._pending: threading.Event | None = None  # set once the write is finished
         self._lock = threading.Lock()
-        self.errors: list[str] = []
+        self.errors: list[str] = []  # lines the writer has to say (failures, repairs), each once
+        self._foreign_said = False  # the blobs folder lies elsewhere: said once
         self._stager = BufferStager(self._memory)
         self.protected: set[int] = set()  # steps kept as the last known-good before an incident
 
@@ -252,7 +254,9 @@ class CheckpointStore:
                     write_atomically(tmp / plain_name(ranks.rank), plain_text.encode())
                 except OSError as exc:  # DCP's collectives must still run on this rank
                     self._fail(step, None, exc)
-            future = self._write(tmp, tensors, no_dist=ranks is None and _no_dist())
+            if self.dedup:
+                self._blobs_are_ours()
+            future = self._write(tmp, tensors, ranks is None and _no_dist(), step)
         except (Exception, CheckpointException) as exc:
             self._fail(step, tmp if leader else None, exc)
             finished.set()
@@ -272,13 +276,13 @@ class CheckpointStore:
         if not self.asynchronous:
             self.wait()
 
-    def _write(self, tmp: Path, tensors: dict[str, Any], no_dist: bool) -> Any:
+    def _write(self, tmp: Path, tensors: dict[str, Any], no_dist: bool, step: int) -> Any:
         """Start DCP's write of the tensors into `tmp`: a future that completes once written."""
         if self.asynchronous and no_dist:
             _quiet_writer_thread()
         writer = None
         if self._memory is not None:
-            writer = BlobWriter(self.blobs, self._memory, self._stager.addresses)
+            writer = BlobWriter(self.blobs, self._memory, self._stager.addresses, step, self._say)
             self.written = {}
 
             def count(done: concurrent.futures.Future[Any]) -> None:
@@ -312,6 +316,27 @@ class CheckpointStore:
             future.set_result(None)
             return future
 
+    def _say(self, line: str) -> None:
+        """Keep a line for the next step's `checkpoint` warning (from any thread)."""
+        with self._lock:
+            self.errors.append(line)
+
+    def _blobs_are_ours(self) -> bool:
+        """Whether the blobs folder is the run's own; said once when it resolves elsewhere (a
+        link to a folder other runs may share): blobs are written there but never deleted."""
+        elsewhere = foreign_blobs(self.directory)
+        if elsewhere is None:
+            return True
+        with self._lock:  # saves and the writer's collection both ask
+            first, self._foreign_said = not self._foreign_said, True
+        if first:
+            self._say(
+                f"{self.blobs} resolves to {elsewhere}, outside the run folder: checkpoints "
+                "write their blobs there but never delete any (other runs may use them), so "
+                "unused ones accumulate; make it a plain folder of the run to have them collected"
+            )
+        return False
+
     def _fail(self, step: int, tmp: Path | None, exc: BaseException) -> None:
         """Record a failed checkpoint and remove what it left (the older ones stay): its folder,
         and the blobs it wrote that no kept checkpoint uses (every rank's writes are over once
@@ -321,11 +346,10 @@ class CheckpointStore:
             with contextlib.suppress(OSError):
                 self._collect()
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _first_line(exc)
-        with self._lock:
-            self.errors.append(
-                f"the checkpoint of step {step} could not be written ({reason}); "
-                "training goes on, the older checkpoints are kept"
-            )
+        self._say(
+            f"the checkpoint of step {step} could not be written ({reason}); "
+            "training goes on, the older checkpoints are kept"
+        )
 
     def _finish(
         self, step: int, tmp: Path, plain_text: str | None, manifest: dict[str, Any]
@@ -394,10 +418,11 @@ class CheckpointStore:
         self._collect()
 
     def _collect(self) -> None:
-        """Delete the blobs no `step-N` folder's manifest names (between saves only)."""
-        self._check_folders()  # never collect in a folder a link leads to
-        if self.blobs.is_dir():
-            collect_blobs(self.blobs, self._referenced())
+        """Delete the blobs no `step-N` folder's manifest names (between saves only), in the
+        run's own blobs folder only: never in one a link leads to."""
+        if os.path.lexists(self.blobs) and self._blobs_are_ours():
+            seen = self._memory.seen if self._memory is not None else None
+            collect_blobs(self.blobs, self._referenced(), seen)
 
     def _referenced(self) -> set[str]:
         """Every blob a `step-N` folder's manifest names (one whose manifest cannot be read
@@ -445,7 +470,8 @@ class CheckpointStore:
         step = step_of(path)
         manifest = verify_manifest(path, step)
         if manifest.get("storage") == BLOB_STORAGE:
-            verify_blobs(self.blobs_of(path), manifest.get("blobs"))
+            seen = self._memory.seen if self._memory is not None else None
+            verify_blobs(self.blobs_of(path), manifest.get("blobs"), seen)
         self.metadata(path, manifest)
         for name in manifest["files"]:
             if name == PLAIN_STATE or name.startswith("trainguard-rank"):
