@@ -9,6 +9,8 @@ python benchmarks/faults.py [--kills 24] [--seed 0] [--disk-mib 8]
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import random
 import shutil
@@ -342,28 +344,28 @@ def link_trials(work: Path) -> tuple[str, dict[str, int]]:
         link.symlink_to(target, target_is_directory=target.is_dir())
         told: list[str] = []
         for resume in (False, True):
+            stderr = io.StringIO()
             try:
                 model, opt = tiny_setup()
                 config = tiny_config(dedup=True)
                 config.recovery.checkpoint_every = 5
-                if resume:
-                    guard = tg.Guard.resume(run_dir, model, opt, config=config)
-                else:
-                    guard = tg.Guard(model, opt, config=config, run_dir=run_dir)
-                x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
-                for _ in range(12):
-                    loss = model(x).pow(2).mean()
-                    loss.backward()
-                    guard.step(loss)
-                    opt.zero_grad()
-                    if guard.global_step % 5 == 0:
-                        guard.evaluate(guard.global_step, {"eval_loss": float(loss)})
-                guard.close()
-                told += [
-                    str(e["message"]).splitlines()[0]
-                    for e in _events(run_dir)
-                    if "link" in str(e.get("message", ""))
-                ][:1]
+                with contextlib.redirect_stderr(stderr):
+                    if resume:
+                        guard = tg.Guard.resume(run_dir, model, opt, config=config)
+                    else:
+                        guard = tg.Guard(model, opt, config=config, run_dir=run_dir)
+                    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+                    for _ in range(12):
+                        loss = model(x).pow(2).mean()
+                        loss.backward()
+                        guard.step(loss)
+                        opt.zero_grad()
+                        if guard.global_step % 5 == 0:
+                            guard.evaluate(guard.global_step, {"eval_loss": float(loss)})
+                    guard.close()
+                lines = [str(e.get("message", "")) for e in _events(run_dir)]
+                lines += stderr.getvalue().splitlines()
+                told += [line.splitlines()[0] for line in lines if "link" in line][:1]
             except tg.TrainguardError as exc:
                 told.append(str(exc).splitlines()[0])
             except Exception as exc:

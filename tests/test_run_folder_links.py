@@ -76,6 +76,21 @@ def test_a_link_planted_as_a_run_file_is_one_error_and_its_target_is_untouched(
     assert (run_dir / name).is_symlink()
 
 
+@pytest.mark.parametrize("name", [".lock", "metrics.jsonl", "events.jsonl"])
+def test_a_hard_link_planted_as_a_run_file_is_one_error_and_its_target_is_untouched(
+    run_dir: Path, target: Path, name: str
+) -> None:
+    """A hard link (a run folder copied with `cp -al`, or planted) shares its bytes with another
+    file: appending or cutting it would change that one too."""
+    os.link(target, run_dir / name)
+    with pytest.raises(tg.TrainguardError) as caught:
+        start_guard(run_dir)
+    assert str(caught.value) == (
+        f"{run_dir / name} is a file with 2 hard links (another file's too); {FIX}"
+    )
+    assert target.read_bytes() == PRECIOUS
+
+
 @pytest.mark.parametrize("name", [".lock", "metrics.jsonl", "quarantine.jsonl"])
 def test_a_fifo_planted_as_a_run_file_is_one_error_not_a_hang(run_dir: Path, name: str) -> None:
     os.mkfifo(run_dir / name)
