@@ -1,6 +1,7 @@
 """Faults from outside the model: SIGKILL at random moments (some inside a checkpoint write),
-damaged and mismatched checkpoints, pickle payloads in DCP's metadata, and a full disk under the
-whole run folder; trials and failures of each, written into RESULTS.md.
+damaged and mismatched checkpoints, pickle payloads in DCP's metadata, a full disk under the
+whole run folder, and links planted in a run folder; trials and failures of each, written into
+RESULTS.md.
 
 python benchmarks/faults.py [--kills 24] [--seed 0] [--disk-mib 8]
 """
@@ -8,6 +9,8 @@ python benchmarks/faults.py [--kills 24] [--seed 0] [--disk-mib 8]
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import random
 import shutil
@@ -263,6 +266,133 @@ def disk_full_trial(work: Path, mib: int) -> dict[str, object]:
         disk.unmount()
 
 
+def blob_repair_trial(work: Path) -> dict[str, object]:
+    """A frozen weight's blob damaged on disk (one byte flipped) after the step-10 save of a
+    dedup run; training goes on to step 25 (a checkpoint every 5), then `Guard.resume`."""
+    run_dir = work / "blob-repair"
+    model, opt = tiny_setup()
+    model[0].weight.requires_grad_(False)  # type: ignore[index]
+    config = tiny_config(dedup=True)
+    config.recovery.checkpoint_every = 5
+    guard = tg.Guard(model, opt, config=config, run_dir=run_dir)
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    while guard.global_step < 25:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        guard.step(loss)
+        opt.zero_grad()
+        if guard.global_step == 10:
+            table = json.loads((run_dir / "checkpoints/step-10/tensors.json").read_text())
+            blob = table["tensors"]["model.0.weight"]["chunks"][0]["blob"]
+            path = run_dir / "checkpoints/blobs" / blob
+            data = bytearray(path.read_bytes())
+            data[5] ^= 0x10
+            path.write_bytes(bytes(data))
+    guard.close()
+    live = {k: v.clone() for k, v in model.state_dict().items()}
+    warned = [
+        str(e["message"]).splitlines()[0]
+        for e in _events(run_dir)
+        if e["kind"] == "checkpoint" and "damaged" in str(e.get("message", ""))
+    ]
+    model2, opt2 = tiny_setup()
+    again = tg.Guard.resume(run_dir, model2, opt2, config=config)
+    again.close()
+    same = all(torch.equal(v, live[k]) for k, v in model2.state_dict().items())
+    return {
+        "warned during training": len(warned),
+        "first warning": warned[0] if warned else "none",
+        "resumed from step": again.global_step,
+        "weights bit-equal to the live run": same,
+    }
+
+
+LINKED = (  # the names a guard writes in its run folder, each planted as a link to elsewhere
+    ".lock",
+    "config.json",
+    "metrics.jsonl",
+    "events.jsonl",
+    "evals.jsonl",
+    "checkpoints",
+    "checkpoints/blobs",
+    "checkpoints/step-5",
+)
+
+
+def link_trials(work: Path) -> tuple[str, dict[str, int]]:
+    """Each name the guard writes, planted in a new run folder as a symlink to a file or folder
+    outside it with known bytes (a torn last line, to tempt the log repair); a short dedup run
+    with a lost resume, then `Guard.resume`. Nothing outside may change."""
+    counts = {"links": 0, "outside changed": 0, "told": 0}
+    rows = []
+    for name in LINKED:
+        run_dir = work / "links" / name.replace("/", "_")
+        outside = work / "outside" / name.replace("/", "_")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(outside, ignore_errors=True)
+        outside.mkdir(parents=True)
+        target = outside / "target"
+        if name in ("checkpoints", "checkpoints/blobs", "checkpoints/step-5"):
+            target.mkdir()
+            for i in range(3):  # another run's files, which nothing here may delete
+                (target / f"{i:064x}").write_bytes(bytes([i]) * 4000)
+        else:
+            target.write_bytes(b'{"step": 1}\n' * 300 + b'{"torn')
+        before = _tree(outside)
+        link = run_dir / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(target, target_is_directory=target.is_dir())
+        told: list[str] = []
+        for resume in (False, True):
+            stderr = io.StringIO()
+            try:
+                model, opt = tiny_setup()
+                config = tiny_config(dedup=True)
+                config.recovery.checkpoint_every = 5
+                with contextlib.redirect_stderr(stderr):
+                    if resume:
+                        guard = tg.Guard.resume(run_dir, model, opt, config=config)
+                    else:
+                        guard = tg.Guard(model, opt, config=config, run_dir=run_dir)
+                    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+                    for _ in range(12):
+                        loss = model(x).pow(2).mean()
+                        loss.backward()
+                        guard.step(loss)
+                        opt.zero_grad()
+                        if guard.global_step % 5 == 0:
+                            guard.evaluate(guard.global_step, {"eval_loss": float(loss)})
+                    guard.close()
+                lines = [str(e.get("message", "")) for e in _events(run_dir)]
+                lines += stderr.getvalue().splitlines()
+                told += [line.splitlines()[0] for line in lines if "link" in line][:1]
+            except tg.TrainguardError as exc:
+                told.append(str(exc).splitlines()[0])
+            except Exception as exc:
+                told.append(f"TRACEBACK {type(exc).__name__}: {exc}")
+        changed = _tree(outside) != before
+        counts["links"] += 1
+        counts["outside changed"] += changed
+        counts["told"] += bool(told) and not any(t.startswith("TRACEBACK") for t in told)
+        said = told[0] if told else "nothing"
+        rows.append(
+            f"| `{name}` | {'**CHANGED**' if changed else 'unchanged'} | {said.replace('|', '/')} |"
+        )
+    table = "\n".join(
+        ["| planted link | files outside | what the user was told |", "|---|---|---|", *rows]
+    )
+    return table, counts
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    """Every file under `root` (not following links) and its bytes."""
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
+
+
 def _is_json(line: bytes) -> bool:
     try:
         json.loads(line)
@@ -286,6 +416,10 @@ def main() -> None:
         print("payloads", payload, file=sys.stderr)
         disk = disk_full_trial(work, args.disk_mib)
         print("disk", disk, file=sys.stderr)
+        repair = blob_repair_trial(work)
+        print("blob repair", repair, file=sys.stderr)
+        link_table, links = link_trials(work)
+        print("links", links, file=sys.stderr)
         kill_table, kills = kill_trials(args.kills, rng, work)
         print("kills", kills, file=sys.stderr)
     body = "\n".join(
@@ -311,6 +445,19 @@ def main() -> None:
             f"updated): {payload['ran code']} ran code, {payload['passed over']} passed over.",
             "",
             "**Full disk**: " + "; ".join(f"{k}: {v}" for k, v in disk.items()) + ".",
+            "",
+            "**A damaged blob** (one byte flipped in a frozen weight's blob after the step-10 "
+            "save of a dedup run, training on to step 25, a checkpoint every 5, then resume): "
+            + "; ".join(f"{k}: {v}" for k, v in repair.items())
+            + ".",
+            "",
+            f"**Links planted in a run folder** ({links['links']} names the guard writes, each "
+            "a symlink to a file or folder outside the run folder with known bytes; a new "
+            "dedup run of 12 steps, a checkpoint every 5, then `Guard.resume`): "
+            f"{links['outside changed']} changed anything outside, {links['told']} told the "
+            "user in one line.",
+            "",
+            link_table,
         ]
     )
     write_section(

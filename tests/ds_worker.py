@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -85,7 +87,14 @@ def private_names_missing(engine: Any) -> list[str]:
     wanted.append(private.OFFLOAD_FLAGS[1] if stage == 3 else private.OFFLOAD_FLAGS[0])
     if stage != 3:
         wanted.append(private.REGATHER)
-    return [name for name in wanted if not hasattr(optimizer, name)]
+    missing = [name for name in wanted if not hasattr(optimizer, name)]
+    if not hasattr(engine, private.CHECKPOINT_ENGINE):
+        missing.append(private.CHECKPOINT_ENGINE)
+    try:
+        private.checkpoint_globals()
+    except (ImportError, AttributeError) as exc:
+        missing.append(str(exc))
+    return missing
 
 
 def train(
@@ -320,6 +329,72 @@ def timed_checkpoint(rank: int, out: Path) -> dict[str, Any]:
     return {"saved_at": saved_at}
 
 
+class Payload:
+    """Pickled as a call of `exec` that writes `marker`: what an attacker plants in a file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+def plant_payload(folder: Path, marker: Path) -> None:
+    """Rewrite the tag's module states as the real state plus a key whose unpickling runs code."""
+    path = folder / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=False)  # the file this test's own run wrote
+    state["extra"] = Payload(marker)
+    torch.save(state, path)
+
+
+def checkpoint_attacks(rank: int, out: Path) -> dict[str, Any]:
+    """ZeRO-2, bf16. Run A checkpoints steps 2-8 in `run`; run B, a new DeepSpeedGuard in the
+    same folder, checkpoints 2, 4 and 6 (keeping 3). Then rank 0 copies B's step-6 outside the
+    run folder and points `latest` at it (`../../elsewhere/step-6`), plants a code payload in
+    step-6 with a manifest recomputed to match, and in step-4 with the manifest as it was; a
+    resume must run neither, load nothing outside, and fall back to step-2."""
+    from trainguard.integrations import _deepspeed_private as private
+    from trainguard.integrations.deepspeed import tag_manifest
+
+    run_dir, marker = out / "run", out / "payload-ran"
+    checkpoints = run_dir / "checkpoints"
+    found: dict[str, Any] = {}
+    for name, steps, keep in (("a", 8, 10), ("b", 6, 3)):
+        recovery = {"checkpoint_every": 2, "keep_checkpoints": keep}
+        found[name] = train(
+            build_engine(2, "bf16"), rank, steps, run_dir, config={"recovery": recovery}
+        )
+    found["earlier"] = sorted(
+        sorted(q.name for q in p.iterdir()) for p in run_dir.glob("checkpoints-earlier-*")
+    )
+    found["b_kept"] = sorted(p.name for p in checkpoints.glob("step-*"))
+    if rank == 0:
+        shutil.copytree(checkpoints / "step-6", out / "elsewhere" / "step-6")
+        (checkpoints / "latest").write_text("../../elsewhere/step-6")
+        for step in (6, 4):
+            plant_payload(checkpoints / f"step-{step}", marker)
+        forged = tag_manifest(checkpoints / "step-6", 6, dist.get_world_size())
+        (checkpoints / "step-6" / "manifest.json").write_text(json.dumps(forged))
+    dist.barrier()
+    engine = build_engine(2, "bf16")
+    refused = None
+    try:  # DeepSpeed's own reader, as the guard runs it, given the payload directly
+        with private.weights_only_loads(engine):
+            engine.checkpoint_engine.load(
+                str(checkpoints / "step-6" / "mp_rank_00_model_states.pt")
+            )
+    except pickle.UnpicklingError as exc:
+        refused = str(exc)
+    cfg = tg.GuardConfig.from_dict({"console": False})
+    guard = DeepSpeedGuard.resume(run_dir, engine, config=cfg)
+    found["resumed_at"] = guard.global_step
+    found["engine_steps"] = engine.global_steps
+    guard.close()
+    found["refused"] = refused
+    found["payload_ran"] = marker.exists()
+    return found
+
+
 def unsupported(rank: int, out: Path) -> dict[str, Any]:
     """What the guard says of an engine without ZeRO (stage 0) and of a plain module."""
     said = {}
@@ -381,6 +456,7 @@ SCENARIOS: dict[str, Callable[[int, Path], dict[str, Any]]] = {
     "replica_three": replica_three,
     "timed_checkpoint": timed_checkpoint,
     "unsupported": unsupported,
+    "checkpoint_attacks": checkpoint_attacks,
     "precursors": precursors,
 }
 

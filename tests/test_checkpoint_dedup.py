@@ -4,7 +4,9 @@ and the manifest leaves the store usable."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -13,8 +15,13 @@ import torch
 
 import trainguard as tg
 from finetune import build, config, frozen_share, loader, stored_bytes, train
-from trainguard.actions.checkpoint_blobs import BlobWriter
-from trainguard.actions.checkpoint_files import MANIFEST, TENSOR_TABLE
+from trainguard.actions.checkpoint_blobs import BlobWriter, collect_blobs, read_table
+from trainguard.actions.checkpoint_files import (
+    MANIFEST,
+    TENSOR_TABLE,
+    DamagedCheckpoint,
+    file_digest,
+)
 from trainguard.actions.checkpoints import CheckpointStore
 
 from helpers import read_jsonl
@@ -225,3 +232,209 @@ def test_a_checkpoint_of_the_old_format_still_resumes_and_both_formats_coexist(t
     guard = tg.Guard.resume(run_dir, model, opt, config=config(every=4, keep=5))
     guard.close()
     assert guard.global_step == 4
+
+
+FROZEN = "model.encoder.0.linear1.weight"  # a weight of the frozen base: its blob is reused
+
+
+def blob_of(run_dir: Path, step: int, key: str) -> str:
+    path = run_dir / "checkpoints" / f"step-{step}" / TENSOR_TABLE
+    return json.loads(path.read_text())["tensors"][key]["chunks"][0]["blob"]
+
+
+def live_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    state = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for pid, values in opt.state_dict()["state"].items():
+        state |= {f"opt.{pid}.{k}": v.clone() for k, v in values.items()}
+    return state
+
+
+def test_a_blobs_folder_linked_to_another_runs_never_loses_that_runs_blobs(tmp_path):
+    """A second run whose `checkpoints/blobs` links to the first run's: refused at the start in
+    one line; the same link planted mid-run: the second run's saves fail with a warning, its
+    collector deletes nothing there, and the first run keeps every blob and resumes at its
+    newest step."""
+    guard, _, _ = run_to(tmp_path / "a", 10, every=2, asynchronous=False)
+    guard.close()
+    shared = tmp_path / "a" / "checkpoints" / "blobs"
+    first = {p.name: p.read_bytes() for p in shared.iterdir()}
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "b" / "checkpoints" / "blobs").symlink_to(shared)
+    model, opt = build()
+    with pytest.raises(tg.TrainguardError, match=r"blobs is a symbolic link; .* never writes"):
+        tg.Guard(model, opt, config=config(every=2, keep=2), run_dir=tmp_path / "b")
+    (tmp_path / "b" / "checkpoints" / "blobs").unlink()
+    model, opt = build()
+    opt.param_groups[0]["lr"] = 1e-2  # another run: other head weights, other blobs
+    guard = tg.Guard(model, opt, config=config(every=2, keep=2), run_dir=tmp_path / "b")
+    data = loader()
+    train(guard, model, data, 4)
+    guard.checkpoints.wait()  # type: ignore[union-attr]
+    own = tmp_path / "b" / "checkpoints" / "blobs"
+    own.rename(own.with_name("blobs-moved"))
+    own.symlink_to(shared)  # planted while the run goes on
+    train(guard, model, data, 10)
+    guard.close()
+    assert {p.name: p.read_bytes() for p in shared.iterdir()} == first
+    said = [w for w in checkpoint_warnings(tmp_path / "b") if "symbolic link" in w]
+    assert said, checkpoint_warnings(tmp_path / "b")
+    model, opt = build()
+    guard = tg.Guard.resume(tmp_path / "a", model, opt, config=config(every=2))
+    guard.close()
+    assert guard.global_step == 10
+
+
+def test_the_collector_never_follows_or_deletes_through_a_link(tmp_path):
+    """A linked blobs folder is left alone; in a real one, an unused blob goes, and a link named
+    like a blob stays with its target."""
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"another run's bytes")
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    unused, linked, kept = "a" * 64, "b" * 64, "c" * 64
+    for name in (unused, kept):
+        (blobs / name).write_bytes(b"x" * 10)
+    (blobs / linked).symlink_to(outside)
+    (tmp_path / "link").symlink_to(blobs)
+    assert collect_blobs(tmp_path / "link", {kept}) == 0
+    assert (blobs / unused).exists()
+    assert collect_blobs(blobs, {kept}) == 10
+    assert sorted(p.name for p in blobs.iterdir()) == [linked, kept]
+    assert outside.read_bytes() == b"another run's bytes"
+
+
+def _relink(f: Path) -> None:
+    """The blob replaced by a link to a copy of its bytes elsewhere."""
+    copy = f.with_name("..").resolve() / f"copy-{f.name}"
+    copy.write_bytes(f.read_bytes())
+    f.unlink()
+    f.symlink_to(copy)
+
+
+REPAIRS = {**DAMAGES, "a link": _relink}
+REPAIR_WORDS = {
+    "flipped byte": "was damaged on disk (its bytes fail their checksum)",
+    "truncated": "was damaged on disk",
+    "deleted": "had vanished from blobs/",
+    "a link": "was not a regular file",
+}
+
+
+@pytest.mark.parametrize("damage", sorted(REPAIRS))
+def test_a_damaged_reused_blob_is_rewritten_by_the_next_save(tmp_path, damage):
+    """A frozen weight's blob damaged on disk after the first save is rewritten by the next
+    save, which says so naming the blob and the tensor; every checkpoint then verifies and the
+    newest resumes bit for bit."""
+    run_dir = tmp_path / "run"
+    model, opt = build()
+    guard = tg.Guard(model, opt, config=config(every=2, asynchronous=False), run_dir=run_dir)
+    data = loader()
+    train(guard, model, data, 2)
+    digest = blob_of(run_dir, 2, FROZEN)
+    REPAIRS[damage](blob_file(run_dir, digest))
+    train(guard, model, data, 6)
+    live = live_state(model, opt)
+    guard.close()
+    assert blob_of(run_dir, 6, FROZEN) == digest  # the same bytes, the same blob, reused
+    fixed = blob_file(run_dir, digest)
+    assert not fixed.is_symlink()
+    assert hashlib.sha256(fixed.read_bytes()).hexdigest() == digest
+    (said,) = [w for w in checkpoint_warnings(run_dir) if "rewritten" in w]
+    assert said.startswith(f"blob {digest[:12]} of {FROZEN} {REPAIR_WORDS[damage]}"), said
+    assert said.endswith("; rewritten from the live tensor at step 4"), said
+    store = CheckpointStore(run_dir / "checkpoints")
+    for path in store.complete():
+        store.verify(path)
+    resumed, opt2 = build()
+    guard = tg.Guard.resume(run_dir, resumed, opt2, config=config(every=2))
+    guard.close()
+    assert guard.global_step == 6
+    restored = live_state(resumed, opt2)
+    assert restored.keys() == live.keys()
+    for key, value in live.items():
+        assert torch.equal(restored[key], value), key
+
+
+EMPTY = hashlib.sha256(b"").hexdigest()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["the empty blob", TENSOR_TABLE])
+def test_a_fifo_in_a_checkpoint_is_refused_without_hanging(tmp_path, where):
+    """A manifest listing the empty blob, which is a FIFO, or a FIFO for a tensor table: resume
+    opens neither, passes that checkpoint over with a warning and uses the one before."""
+    run_dir = tmp_path / "run"
+    guard, _, _ = run_to(run_dir, 4, every=2, asynchronous=False)
+    guard.close()
+    step_4 = run_dir / "checkpoints" / "step-4"
+    if where == TENSOR_TABLE:
+        (step_4 / TENSOR_TABLE).unlink()
+        os.mkfifo(step_4 / TENSOR_TABLE)
+    else:
+        record = manifest(run_dir, 4)
+        record["blobs"][EMPTY] = 0
+        (step_4 / MANIFEST).write_text(json.dumps(record))
+        os.mkfifo(blob_file(run_dir, EMPTY))
+    model, opt = build()
+    guard = tg.Guard.resume(run_dir, model, opt, config=config(every=2))
+    guard.close()
+    assert guard.global_step == 2
+    (warning,) = [w for w in checkpoint_warnings(run_dir) if "step-4" in w]
+    if where == TENSOR_TABLE:
+        assert f"its {TENSOR_TABLE} is missing" in warning, warning
+    else:
+        assert f"its blob {EMPTY[:12]} cannot be read (a FIFO, not a regular file)" in warning, (
+            warning
+        )
+
+
+def _tamper_table(run_dir: Path, step: int, change) -> None:
+    """Change a checkpoint's tensor table and re-sign it in its manifest, as an attacker can."""
+    path = run_dir / "checkpoints" / f"step-{step}"
+    table = json.loads((path / TENSOR_TABLE).read_text())
+    change(table["tensors"])
+    (path / TENSOR_TABLE).write_text(json.dumps(table))
+    record = manifest(run_dir, step)
+    record["files"][TENSOR_TABLE] = file_digest(path / TENSOR_TABLE, step)
+    (path / MANIFEST).write_text(json.dumps(record))
+
+
+def test_a_tensor_table_whose_chunks_do_not_cover_a_tensor_is_refused(tmp_path):
+    """`"chunks": []` (no bytes at all: it would load as uninitialised memory) fails its
+    checkpoint with a warning naming the tensor; so do chunks that overlap where others leave a
+    gap, and chunks too few; chunks that tile a tensor are accepted."""
+    run_dir = tmp_path / "run"
+    guard, _, _ = run_to(run_dir, 4, every=2, asynchronous=False)
+    guard.close()
+    _tamper_table(run_dir, 4, lambda t: t[FROZEN].update(chunks=[]))
+    model, opt = build()
+    guard = tg.Guard.resume(run_dir, model, opt, config=config(every=2))
+    guard.close()
+    assert guard.global_step == 2
+    (warning,) = [w for w in checkpoint_warnings(run_dir) if "step-4" in w]
+    assert f"the chunks of {FROZEN} do not cover it exactly" in warning, warning
+
+    path = run_dir / "checkpoints" / "step-2"
+    table = json.loads((path / TENSOR_TABLE).read_text())["tensors"]
+    rows, cols = table[FROZEN]["size"]
+    blobs = {"a" * 64: (rows - 1) * cols * 4, "b" * 64: cols * 4, "c" * 64: rows // 2 * cols * 4}
+
+    def chunk(row: int, height: int, blob: str) -> dict:
+        return {"offsets": [row, 0], "sizes": [height, cols], "blob": blob, "bytes": blobs[blob]}
+
+    layouts = {  # row 0 twice and the last row never: as many bytes as the tensor
+        "overlap and gap": [chunk(0, rows - 1, "a" * 64), chunk(0, 1, "b" * 64)],
+        "half": [chunk(0, rows // 2, "c" * 64)],
+        "tiled": [chunk(0, rows // 2, "c" * 64), chunk(rows // 2, rows // 2, "c" * 64)],
+    }
+    original = (path / TENSOR_TABLE).read_text()
+    for name, chunks in layouts.items():
+        tampered = json.loads(original)
+        tampered["tensors"][FROZEN]["chunks"] = chunks
+        (path / TENSOR_TABLE).write_text(json.dumps(tampered))
+        listed = {**manifest(run_dir, 2)["blobs"], **blobs}
+        if name == "tiled":
+            assert len(read_table(path, listed).state_dict_metadata[FROZEN].chunks) == 2
+        else:
+            with pytest.raises(DamagedCheckpoint, match=f"chunks of {FROZEN} do not cover"):
+                read_table(path, listed)

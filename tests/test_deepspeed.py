@@ -199,6 +199,42 @@ def test_checkpoints_by_time_come_at_the_same_step_on_every_rank(runs):
         assert {"trainguard-rank0.json", "trainguard-rank1.json"} <= written
 
 
+def test_a_deepspeed_resume_runs_no_planted_code_loads_nothing_outside_and_falls_back(runs):
+    out, results = runs
+    for r in results:
+        found = r["checkpoint_attacks"]
+        assert found["payload_ran"] is False  # neither planted file ran its payload
+        assert "GLOBAL exec" in found["refused"]  # DeepSpeed's own reader, made weights-only
+        assert found["resumed_at"] == 2  # not 6 (outside), 6 or 4 (planted): the one before
+        assert found["engine_steps"] == 2
+    warnings = [e["message"] for e in events(out / "checkpoint_attacks" / "run")]
+    assert any("latest names '../../elsewhere/step-6', not a step-N" in m for m in warnings)
+    assert any(  # its manifest recomputed to match: the digests alone would pass it
+        "step-6 is unusable: its mp_rank_00_model_states.pt pickles builtins.exec" in m
+        for m in warnings
+    )
+    assert any(  # the manifest as the run wrote it
+        "step-4 is unusable: its mp_rank_00_model_states.pt is not of its listed size" in m
+        for m in warnings
+    )
+    assert any("resumed from the DeepSpeed checkpoint at step 2 (step-2)" in m for m in warnings)
+
+
+def test_a_second_deepspeed_run_in_a_used_folder_sets_the_first_runs_checkpoints_aside(runs):
+    out, results = runs
+    for r in results:
+        found = r["checkpoint_attacks"]
+        # run A's four checkpoints and its `latest`, whole, beside run B's
+        earlier = ["latest", "step-2", "step-4", "step-6", "step-8"]
+        kept = [[n for n in names if not n.startswith("zero_to")] for names in found["earlier"]]
+        assert kept == [earlier]  # one folder set aside (DeepSpeed's zero_to_*.py scripts too)
+        assert found["b_kept"] == ["step-2", "step-4", "step-6"]  # none deleted as written
+    warnings = [e["message"] for e in events(out / "checkpoint_attacks" / "run")]
+    assert any(
+        "held checkpoints of an earlier run (newest step-8): moved to" in m for m in warnings
+    )
+
+
 def test_an_engine_the_guard_cannot_drive_gets_one_line_saying_what_to_do(runs):
     _, results = runs
     said = results[0]["unsupported"]

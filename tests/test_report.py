@@ -59,6 +59,13 @@ LAYOUT_CHECK = """() => {
   return found;
 }"""
 HOSTILE = '<img src=x onerror="window.__xss=1"></script><script>window.__xss=2</script>'
+# plotly's pseudo-HTML, and its hovertemplate's syntax: shown as text wherever a figure has it
+MARKUP = '<a href="https://example.invalid/x">click</a> <b>b</b> <span style="color:red">r</span>'
+MARKUP += " %{x} $y$"
+LIVE_MARKUP = """() => Array.from(document.querySelectorAll('.js-plotly-plot *')).filter(
+  el => Array.from(el.attributes).some(
+    a => a.name !== "data-unformatted" && /example\\.invalid|red|bold/.test(a.value))
+).map(el => el.outerHTML.slice(0, 120))"""
 
 
 def report(*args: str) -> subprocess.CompletedProcess[str]:
@@ -186,7 +193,7 @@ def hostile_run(run_dir: Path) -> None:
                 "lr": 1e-3,
                 "loss_scale": 65536.0 if step < 300 else 32768.0,
                 "action": "skip" if step == 200 else "step",
-                "group_grad_norms": {HOSTILE: 0.5, "blocks.0": 0.25},
+                "group_grad_norms": {HOSTILE: 0.5, "blocks.0": 0.25, MARKUP: 0.125},
             }
         )
     metrics[250]["loss"] = "nan"
@@ -234,9 +241,20 @@ def hostile_run(run_dir: Path) -> None:
             "metrics": {"module": HOSTILE, "frames": [HOSTILE]},
             "action": "skip",
         },
+        {"step": 201, "kind": "grad_spike", "severity": "warning", "type": MARKUP, "message": "t"},
+        {"step": 252, "kind": MARKUP, "severity": "warning", "message": "m " + MARKUP},
+        {
+            "step": 253,
+            "kind": "eval_decline",
+            "severity": "warning",
+            "message": MARKUP,
+            "metrics": {"name": "val " + MARKUP, "value": 2.5},
+        },
     ]
     (run_dir / "events.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
     (run_dir / "config.json").write_text(json.dumps({"max_grad_norm": 1.0, "note": HOSTILE}))
+    evals = [{"step": s, "values": {"val " + MARKUP: 2.0 + s / 400}} for s in range(0, 400, 50)]
+    (run_dir / "evals.jsonl").write_text("\n".join(json.dumps(e) for e in evals) + "\n")
 
 
 def test_every_user_string_is_escaped(browser, tmp_path):
@@ -255,6 +273,20 @@ def test_every_user_string_is_escaped(browser, tmp_path):
     assert page.page.locator("#curves .yaxislayer-above").count() >= 4
     legend = page.page.locator("#curves .legendtext").all_text_contents()
     assert "abandoned by a rollback" in legend
+    # plotly's pseudo-HTML in a kind, a type, an evaluation's and a group's name and a message:
+    # no link, bold or colour drawn, the markup shown as it was written
+    assert page.page.evaluate(LIVE_MARKUP) == []
+    assert MARKUP in legend and "val " + MARKUP in legend  # a kind or type; an evaluation
+    titles = page.page.locator("#curves [class^=g-y][class$=title]").all_text_contents()
+    assert "val " + MARKUP in titles
+    assert MARKUP in page.page.locator("#groups .ytick").all_text_contents()
+    (kind,) = [i for i, t in enumerate(page.figure()["data"]) if t.get("x") == [252]]
+    page.page.evaluate(
+        f"() => Plotly.Fx.hover('curves', [{{curveNumber: {kind}, pointNumber: 0}}])"
+    )
+    hover = page.page.locator("#curves .hoverlayer").text_content() or ""
+    assert f"step 252: {MARKUP[:40]}" in hover and "m <a href" in hover and "%{x} $y$" in hover
+    assert page.page.evaluate(LIVE_MARKUP) == []
 
 
 def test_a_bare_log_is_judged_and_reported(browser, tmp_path):

@@ -26,6 +26,26 @@ Warn = Callable[[str], None]  # a line about the checkpoints, recorded as a `che
 CheckState = Callable[[dict[str, Any]], None]  # raises `DamagedCheckpoint` on a bad guard state
 
 
+def set_aside(directory: Path, newest: str, warn: Warn, hint: str) -> bool:
+    """Rename an earlier run's checkpoint folder to `<name>-earlier-<time>` beside it, and say so
+    (or say why it could not move); whether it moved."""
+    stamp = _utc_now().replace(":", "").replace("+", "")[:17]
+    aside = directory.with_name(f"{directory.name}-earlier-{stamp}")
+    try:
+        os.rename(directory, aside)
+    except OSError as exc:
+        warn(
+            f"{directory} holds an earlier run's checkpoints and cannot be moved "
+            f"aside ({exc.strerror}); this run replaces them as it goes: {hint}"
+        )
+        return False
+    warn(
+        f"{directory} held checkpoints of an earlier run (newest {newest}): moved to "
+        f"{aside.name}, so that this run, started at step 0, replaces none of them; {hint}"
+    )
+    return True
+
+
 class Checkpointing:
     """Writes the training state with the guard's own state to `run_dir/checkpoints` and finds
     the newest one that verifies and fits the live objects, on every rank alike."""
@@ -113,20 +133,7 @@ class Checkpointing:
                 f"this run started at step 0 replaces them as it reaches their steps: {hint}"
             )
             return
-        stamp = _utc_now().replace(":", "").replace("+", "")[:17]
-        aside = directory.with_name(f"{directory.name}-earlier-{stamp}")
-        try:
-            os.rename(directory, aside)
-        except OSError as exc:
-            self.warn(
-                f"{directory} holds an earlier run's checkpoints and cannot be moved "
-                f"aside ({exc.strerror}); this run replaces them as it goes: {hint}"
-            )
-            return
-        self.warn(
-            f"{directory} held checkpoints of an earlier run (newest {earlier[0].name}): moved to "
-            f"{aside.name}, so that this run, started at step 0, replaces none of them; {hint}"
-        )
+        set_aside(directory, earlier[0].name, self.warn, hint)
 
     def restore_newest(
         self, check: CheckState

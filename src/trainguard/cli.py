@@ -234,6 +234,7 @@ def report(
     """Write one self-contained HTML report (plots, incident cards, lint, config) of a run or
     log; it opens offline in any browser."""
     from trainguard.analysis.run import load_run
+    from trainguard.run_files import RunFileError
     from trainguard.sinks.html_report import require_plotly, write_report
 
     require_plotly()  # before the log is read
@@ -249,6 +250,8 @@ def report(
         raise TrainguardError(f"{output.parent} does not exist: create it or choose another -o")
     try:
         path = write_report(record, output, title)
+    except RunFileError:
+        raise  # a link or FIFO at -o: its own one-line error
     except OSError as exc:
         raise TrainguardError(
             f"cannot write {output}: {exc.strerror or exc}; choose another -o"

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainguard.actions import OptimizerActions
 from trainguard.actions.checkpoint_files import DamagedCheckpoint
-from trainguard.actions.checkpoints import CheckpointStore, check_rng
+from trainguard.actions.checkpoints import CheckpointStore, check_checkpoint_folders, check_rng
 from trainguard.actions.data import GuardedBatches, default_batch_ids
 from trainguard.actions.preempt import Preemption
 from trainguard.actions.preemptive import PreemptiveActions
@@ -87,6 +87,8 @@ class Guard(Monitor):
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
         cfg = GuardConfig.of(config)
+        if run_dir is not None and model is not None and optimizer is not None:
+            check_checkpoint_folders(Path(run_dir) / "checkpoints")  # before the lock is taken
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler

@@ -12,15 +12,22 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from trainguard.run_files import APPEND, RunFileError, open_regular, write_atomically
+
 Report = Callable[[str], None]
 RETRY_S = 2.0  # a file that failed is tried again at most this often
 FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT})
 _TAIL = 4096  # bytes read at a time when looking for the end of the last whole line
 
 
-def open_file(path: Path, mode: str) -> io.FileIO:
-    """An unbuffered file: the one place this module opens files (tests fill a disk here)."""
-    return io.FileIO(path, mode)
+def open_file(fd: int, mode: str) -> io.FileIO:
+    """An unbuffered file over a descriptor that `trainguard.run_files` opened without following
+    links: the one place this module wraps one (tests fill a disk here)."""
+    try:
+        return io.FileIO(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def stderr_report(message: str) -> None:
@@ -74,7 +81,7 @@ class LineFile:
         """Open for appending (making the folder), cutting off a torn last line that a killed
         or failed writer left; raises the OSError when the file cannot be opened."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        file = open_file(self.path, "a+")
+        file = open_file(open_regular(self.path, APPEND), "a+")
         try:
             size = os.fstat(file.fileno()).st_size
             whole = _end_of_last_line(file.fileno(), size)
@@ -91,16 +98,21 @@ class LineFile:
         self._retry_at = self.clock() + self.retry_s
         if not self._failing:
             self._failing = True
+            # a link or FIFO planted in its place names the file itself
+            why = (
+                str(exc)
+                if isinstance(exc, RunFileError)
+                else f"{self.path}: {describe_os_error(exc)}"
+            )
             if self.keep:
                 self.report(
-                    f"{self.path}: {describe_os_error(exc)}; keeping its lines in memory "
+                    f"{why}; keeping its lines in memory "
                     f"until it can be written again ({len(self.unwritten)} so far){self.note}"
                 )
             else:
                 so_far = f" ({self.dropped} so far)" if self.dropped else ""
                 self.report(
-                    f"{self.path}: {describe_os_error(exc)}; dropping lines until it can be "
-                    f"written again{so_far}{self.note}"
+                    f"{why}; dropping lines until it can be written again{so_far}{self.note}"
                 )
 
     def write(self, data: bytes, sync: bool = False) -> bool:
@@ -217,17 +229,14 @@ def _end_of_last_line(fd: int, size: int) -> int:
 
 def write_small_file(path: Path, text: str, report: Report = stderr_report) -> bool:
     """Replace `path` with `text` in one rename, so that it is whole or untouched; on an
-    OSError (a full disk) report it and return False instead of raising."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    OSError (a full disk) report it and return False instead of raising. A link or non-regular
+    file at `path` is a `RunFileError`, raised."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open_file(tmp, "w") as f:
-            _write_all(f, text.encode())
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomically(path, text.encode(), lambda fd: open_file(fd, "w"))
+    except RunFileError:
+        raise
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         report(f"cannot write {path} ({describe_os_error(exc)}); the run goes on without it")
         return False
     return True

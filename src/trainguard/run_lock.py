@@ -10,7 +10,6 @@ import io
 import json
 import os
 import socket
-import stat
 import sys
 import time
 import weakref
@@ -19,6 +18,7 @@ from typing import Any
 
 from trainguard.events import TrainguardError, _utc_now
 from trainguard.line_file import FULL_DISK, Report, describe_os_error, stderr_report
+from trainguard.run_files import APPEND, READ, RunFileError, open_regular
 
 if sys.platform != "win32":
     import fcntl
@@ -54,7 +54,9 @@ class RunLock:
         unlocked = f"the run goes on without a lock: make sure no other run writes to {run_dir}"
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            file = io.FileIO(path, "a+")
+            file = io.FileIO(open_regular(path, APPEND), "a+")  # nothing cut before the lock
+        except RunFileError:
+            raise  # a link or FIFO planted as the lock: never truncated, never written
         except OSError as exc:
             if exc.errno in FULL_DISK:
                 report(f"cannot make {path} ({describe_os_error(exc)}); {unlocked}")
@@ -158,7 +160,7 @@ def local_holder(run_dir: Path) -> tuple[int, bool] | None:
     pid does and its `flock` is still held (`lock_held`): the kernel drops the lock when the
     process dies, so a pid that now belongs to another process is not taken for the writer."""
     try:
-        fd = _open_for_reading(run_dir / LOCK_NAME)
+        fd = open_regular(run_dir / LOCK_NAME, READ)  # read-only: never made, cut or followed
     except OSError:
         return None
     try:
@@ -174,17 +176,6 @@ def local_holder(run_dir: Path) -> tuple[int, bool] | None:
         return pid, _alive(pid) and lock_held(fd) is not False
     finally:
         os.close(fd)
-
-
-def _open_for_reading(path: Path) -> int:
-    """`path` opened read-only, never created, truncated or followed through a link, nor
-    waited on (a FIFO); an OSError when it is not a regular file."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
-    fd = os.open(path, flags)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file")
-    return fd
 
 
 def lock_held(fd: int) -> bool | None:

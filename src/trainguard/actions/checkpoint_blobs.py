@@ -10,9 +10,11 @@ import json
 import math
 import os
 import re
-import uuid
+import stat
+from bisect import bisect_left
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -36,9 +38,11 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from trainguard.actions.checkpoint_files import (
     TENSOR_TABLE,
     DamagedCheckpoint,
+    open_file,
     read_json,
 )
 from trainguard.events import TrainguardError
+from trainguard.run_files import create_temporary, reason, write_atomically
 
 BLOBS = "blobs"  # the folder of blobs, next to the `step-N` folders it serves
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -74,6 +78,33 @@ def blob_digest(data: torch.Tensor) -> str:
     return hashlib.sha256(byte_view(data).numpy().data).hexdigest()
 
 
+StatKey = tuple[int, int, int, int]  # a blob file's size, mtime_ns, ctime_ns and inode
+
+
+def stat_key(st: os.stat_result) -> StatKey:
+    """What tells that a file changed since it was written or hashed, without reading it."""
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+def hash_open(f: BinaryIO) -> str:
+    """The sha256 of an open file's bytes, read a megabyte at a time."""
+    hasher = hashlib.sha256()
+    for block in iter(lambda: f.read(1 << 20), b""):
+        hasher.update(block)
+    return hasher.hexdigest()
+
+
+def foreign_blobs(directory: Path) -> Path | None:
+    """Where `directory/blobs` really is when it lies outside the run folder (`directory`'s
+    parent): the checkpoints or blobs folder a link to elsewhere; None when it is the run's own."""
+    try:
+        real = (directory / BLOBS).resolve()
+        own = directory.parent.resolve() / directory.name / BLOBS
+    except (OSError, RuntimeError):  # a loop of links
+        return directory / BLOBS
+    return None if real == own else real
+
+
 def fsync_dir(path: Path) -> None:
     """Make a folder's entries (a rename, a new file) durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -85,10 +116,13 @@ def fsync_dir(path: Path) -> None:
 
 class DigestMemory:
     """What the stager knows of its buffers: the digest of the bytes each one holds, kept while
-    they are unchanged, so that an unchanged tensor is neither hashed nor written again."""
+    they are unchanged, so that an unchanged tensor is neither hashed nor written again; and the
+    file of each blob as this store last wrote or hashed it, so that a reused blob is re-hashed
+    only when its file changed."""
 
     def __init__(self) -> None:
         self.digests: dict[int, tuple[str, int]] = {}  # buffer address -> (digest, bytes)
+        self.seen: dict[str, StatKey] = {}  # blob digest -> its file when written or verified
 
     def forget(self, buffer: torch.Tensor) -> None:
         self.digests.pop(buffer.data_ptr(), None)
@@ -106,20 +140,31 @@ class DigestMemory:
 
     def clear(self) -> None:
         self.digests.clear()
+        self.seen.clear()
 
 
 class BlobWriter(StorageWriter):
-    """Writes each tensor chunk of a DCP save as a blob (skipped when that blob is already
-    there), and the checkpoint folder's `tensors.json` naming them; counts the bytes written."""
+    """Writes each tensor chunk of a DCP save as a blob (skipped when that blob is already there
+    and whole, rewritten with a warning when it is damaged or gone), and the checkpoint folder's
+    `tensors.json` naming them; counts the bytes written and hashed."""
 
-    def __init__(self, blobs: Path, memory: DigestMemory, buffers: set[int]) -> None:
+    def __init__(
+        self,
+        blobs: Path,
+        memory: DigestMemory,
+        buffers: set[int],
+        step: int | None = None,
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__()
         self.blobs = blobs
         self.memory = memory
         self.buffers = buffers  # addresses of the stager's buffers, whose digests may be kept
+        self.step = step
+        self.warn = warn
         self.path = Path()
         self.written = 0  # blob bytes this rank wrote in this save
-        self.hashed = 0  # blob bytes this rank hashed in this save
+        self.hashed = 0  # blob bytes this rank hashed in this save (tensors and reused files)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -158,10 +203,18 @@ class BlobWriter(StorageWriter):
                 self.memory.remember(data, digest, self.buffers)
             size = data.numel() * data.element_size()
             target = blob_path(self.blobs, digest)
-            if not target.is_file():
+            fault = self._check(target, digest, size)
+            if fault is not None:
                 self._write_blob(target, data)
+                self.memory.seen[digest] = stat_key(os.lstat(target))
                 touched = True
                 self.written += size
+                if fault and self.warn is not None:
+                    at = f" at step {self.step}" if self.step is not None else ""
+                    self.warn(
+                        f"blob {digest[:12]} of {item.index.fqn} {fault}; "
+                        f"rewritten from the live tensor{at}"
+                    )
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=digest))
         if touched:
             fsync_dir(self.blobs)
@@ -169,12 +222,37 @@ class BlobWriter(StorageWriter):
         done.set_result(results)
         return done
 
+    def _check(self, target: Path, digest: str, size: int) -> str | None:
+        """None when the blob of `digest` is on disk and whole; otherwise what is wrong with it
+        ("" for a blob never there): its size by `lstat`, its bytes re-hashed only when its file
+        changed since this store wrote or hashed it."""
+        try:
+            st = os.lstat(target)
+        except FileNotFoundError:
+            return f"had vanished from {BLOBS}/ (deleted)" if digest in self.memory.seen else ""
+        if not stat.S_ISREG(st.st_mode):
+            return "was not a regular file"
+        if st.st_size != size:
+            return f"was damaged on disk ({st.st_size} bytes, not {size})"
+        if self.memory.seen.get(digest) == stat_key(st):
+            return None
+        try:
+            with open_file(target) as f:
+                actual, opened = hash_open(f), os.fstat(f.fileno())
+        except OSError as exc:
+            return f"could not be read ({exc.strerror})"
+        self.hashed += size
+        if actual != digest or opened.st_size != size:
+            return "was damaged on disk (its bytes fail their checksum)"
+        self.memory.seen[digest] = stat_key(opened)
+        return None
+
     @staticmethod
     def _write_blob(target: Path, data: torch.Tensor) -> None:
         """Write a blob whole or not at all: into a temporary name, synced, then renamed."""
-        tmp = target.with_name(f"{_TMP}{target.name}-{uuid.uuid4().hex[:8]}")
+        fd, tmp = create_temporary(target.parent, f"{_TMP}{target.name}-")  # O_EXCL, no link
         try:
-            with tmp.open("wb") as f:
+            with open(fd, "wb") as f:
                 f.write(byte_view(data).numpy().data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -205,10 +283,7 @@ class BlobWriter(StorageWriter):
                 "size": list(meta.size),
                 "chunks": chunks,
             }
-        with (self.path / TENSOR_TABLE).open("w") as f:
-            json.dump({"tensors": table}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        write_atomically(self.path / TENSOR_TABLE, json.dumps({"tensors": table}).encode())
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -270,13 +345,49 @@ def read_table(path: Path, blobs: dict[str, int]) -> Metadata:
             chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(chunk["sizes"])))
             sizes = torch.Size(chunk["sizes"])
             storage[MetadataIndex(key, offsets)] = StoredChunk(digest, nbytes, sizes, dtype)
+        if not covers(size, chunks):
+            raise DamagedCheckpoint(
+                f"{bad}: the chunks of {key} do not cover it exactly (a gap or an overlap)"
+            )
         entries[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), size, chunks)
     return Metadata(state_dict_metadata=entries, storage_data=storage, storage_meta=StorageMeta())
 
 
-def verify_blobs(blobs_dir: Path, blobs: Any) -> dict[str, int]:
-    """The manifest's blobs ({digest: bytes}) once each one is there with its size and its
-    bytes hash to its name; `DamagedCheckpoint` naming the first that does not."""
+_MAX_CELLS = 1 << 22  # the finest grid of chunks `covers` checks (16 MB of counts)
+
+
+def covers(size: torch.Size, chunks: list[ChunkStorageMetadata]) -> bool:
+    """Whether chunks lying inside a tensor of `size` cover each of its elements exactly once:
+    their volumes add up to its own, and on the grid their edges cut it into, each cell is in
+    exactly one chunk."""
+    total = math.prod(size)
+    if sum(math.prod(c.sizes) for c in chunks) != total:
+        return False
+    solid = [c for c in chunks if math.prod(c.sizes) > 0]
+    if len(solid) <= 1:  # one chunk inside, as large as the tensor: the tensor itself
+        return True
+    edges = [
+        sorted({0, n, *(c.offsets[d] for c in solid), *(c.offsets[d] + c.sizes[d] for c in solid)})
+        for d, n in enumerate(size)
+    ]
+    if math.prod(len(e) - 1 for e in edges) > _MAX_CELLS:
+        return False  # finer than any real sharding
+    grid = torch.zeros([len(e) - 1 for e in edges], dtype=torch.int32)
+    for c in solid:
+        cells = tuple(
+            slice(bisect_left(e, o), bisect_left(e, o + n))
+            for e, o, n in zip(edges, c.offsets, c.sizes, strict=True)
+        )
+        grid[cells] += 1
+    return bool((grid == 1).all())
+
+
+def verify_blobs(
+    blobs_dir: Path, blobs: Any, seen: dict[str, StatKey] | None = None
+) -> dict[str, int]:
+    """The manifest's blobs ({digest: bytes}) once each one is a regular file with its size and
+    its bytes hash to its name (each noted in `seen`); `DamagedCheckpoint` naming the first that
+    does not."""
     if not isinstance(blobs, dict) or not all(
         isinstance(k, str) and _HEX64.fullmatch(k) and type(v) is int and v >= 0
         for k, v in blobs.items()
@@ -285,20 +396,20 @@ def verify_blobs(blobs_dir: Path, blobs: Any) -> dict[str, int]:
     for digest, size in blobs.items():
         file = blob_path(blobs_dir, digest)
         try:
-            actual_size = file.stat().st_size
-            if actual_size == size:
-                hasher = hashlib.sha256()
-                with file.open("rb") as f:
-                    for block in iter(lambda: f.read(1 << 20), b""):
-                        hasher.update(block)
+            with open_file(file) as f:
+                opened = os.fstat(f.fileno())
+                actual_size = opened.st_size
+                actual = hash_open(f) if actual_size == size else ""
         except FileNotFoundError:
             raise DamagedCheckpoint(f"its blob {digest[:12]} is missing from {BLOBS}/") from None
         except OSError as exc:
             raise DamagedCheckpoint(
-                f"its blob {digest[:12]} cannot be read ({exc.strerror})"
+                f"its blob {digest[:12]} cannot be read ({reason(exc)})"
             ) from None
-        if actual_size != size or hasher.hexdigest() != digest:
+        if actual_size != size or actual != digest:
             raise DamagedCheckpoint(f"its blob {digest[:12]} fails its checksum (damaged)")
+        if seen is not None:
+            seen[digest] = stat_key(opened)
     return blobs
 
 
@@ -338,10 +449,11 @@ class BlobReader(StorageReader):
             chunk = self.storage[item.storage_index]
             target = planner.resolve_tensor(item).detach()
             try:
-                raw = bytearray(blob_path(blobs_dir, chunk.digest).read_bytes())
+                with open_file(blob_path(blobs_dir, chunk.digest)) as f:
+                    raw = bytearray(f.read(chunk.nbytes + 1))
             except OSError as exc:
                 raise DamagedCheckpoint(
-                    f"its blob {chunk.digest[:12]} cannot be read ({exc.strerror})"
+                    f"its blob {chunk.digest[:12]} cannot be read ({reason(exc)})"
                 ) from None
             if len(raw) != chunk.nbytes:
                 raise DamagedCheckpoint(f"its blob {chunk.digest[:12]} has the wrong size")
@@ -365,19 +477,32 @@ class BlobReader(StorageReader):
         return True
 
 
-def collect_blobs(blobs_dir: Path, referenced: set[str]) -> int:
+def collect_blobs(
+    blobs_dir: Path, referenced: set[str], seen: dict[str, StatKey] | None = None
+) -> int:
     """Delete every blob no kept checkpoint uses (and leftovers of blob writes a crash cut
-    short); the number of bytes freed. Only called between saves, when no blob is in flight."""
-    if not blobs_dir.is_dir():
+    short), each a regular file in a real folder (a link, to the folder or in it, is never
+    followed or deleted through), forgetting it in `seen`; the number of bytes freed. Only
+    called between saves, when no blob is in flight, on a folder `foreign_blobs` calls the run's."""
+    try:
+        folder = os.open(blobs_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:  # absent, or a link: nothing of this run's to collect there
         return 0
     freed = 0
-    for file in blobs_dir.iterdir():
-        if file.name in referenced:
-            continue
-        if file.name.startswith(_TMP) or _HEX64.fullmatch(file.name):
+    try:
+        for name in os.listdir(folder):
+            if name in referenced or not (name.startswith(_TMP) or _HEX64.fullmatch(name)):
+                continue
             try:
-                freed += file.stat().st_size
-                file.unlink()
+                st = os.lstat(name, dir_fd=folder)
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                os.unlink(name, dir_fd=folder)
             except OSError:  # gone already, or not ours to delete: the next pass retries
                 continue
+            freed += st.st_size
+            if seen is not None:
+                seen.pop(name, None)
+    finally:
+        os.close(folder)
     return freed

@@ -11,7 +11,7 @@ import pickletools
 import re
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from trainguard._torch_private import DcpStorageInfo
 from trainguard.events import TrainguardError
+from trainguard.run_files import READ, open_regular, read_bytes, reason
 
 MANIFEST = "manifest.json"
 PLAIN_STATE = "trainguard.json"
@@ -168,13 +169,19 @@ class MetadataUnpickler(pickle.Unpickler):
         raise DamagedCheckpoint(f"its {METADATA} holds a persistent id; refusing to unpickle it")
 
 
+def open_file(path: Path) -> BinaryIO:
+    """A checkpoint file opened for reading if it is a regular file: never through a link, never
+    blocking on a FIFO or opening a device (a `RunFileError`, an `OSError`, otherwise)."""
+    return open(open_regular(path, READ), "rb")
+
+
 def read_metadata(path: Path, files: dict[str, str] | None = None) -> Metadata:
     """The DCP metadata of the checkpoint at `path`, unpickled safely and checked: every entry a
     tensor, every storage file a plain name in the folder (and in `files`, the manifest's list)."""
     try:
-        raw = (path / METADATA).read_bytes()
+        raw = read_bytes(path / METADATA)
     except OSError as exc:
-        raise DamagedCheckpoint(f"its {METADATA} cannot be read ({exc.strerror})") from None
+        raise DamagedCheckpoint(f"its {METADATA} cannot be read ({reason(exc)})") from None
     check_pickle_program(raw)
     try:
         metadata = MetadataUnpickler(io.BytesIO(raw)).load()
@@ -248,7 +255,7 @@ def file_digest(path: Path, step: int | None) -> str:
     manifests before `DIGEST_SCHEME` hold)."""
     header = "" if step is None else f"trainguard checkpoint step {step} file {path.name}\n"
     digest = hashlib.sha256(header.encode())
-    with path.open("rb") as f:
+    with open_file(path) as f:  # a planted FIFO is refused, not read
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
@@ -262,11 +269,11 @@ def passed_over(path: Path, exc: DamagedCheckpoint) -> str:
 def read_json(path: Path, what: str) -> Any:
     """A JSON file of a checkpoint, or `DamagedCheckpoint` naming the file and the fault."""
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
+        return json.loads(read_bytes(path).decode("utf-8"))
     except FileNotFoundError:
         raise DamagedCheckpoint(f"its {path.name} is missing") from None
     except OSError as exc:
-        raise DamagedCheckpoint(f"its {path.name} cannot be read ({exc.strerror})") from None
+        raise DamagedCheckpoint(f"its {path.name} cannot be read ({reason(exc)})") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise DamagedCheckpoint(f"its {path.name} is not {what} ({type(exc).__name__})") from None
 
@@ -303,7 +310,7 @@ def verify_manifest(path: Path, step: int) -> dict[str, Any]:
         try:
             actual = file_digest(file, step if bound else None)
         except OSError as exc:
-            raise DamagedCheckpoint(f"its {name} cannot be read ({exc.strerror})") from None
+            raise DamagedCheckpoint(f"its {name} cannot be read ({reason(exc)})") from None
         if actual != digest:
             raise DamagedCheckpoint(f"its {name} fails its checksum")
     return manifest

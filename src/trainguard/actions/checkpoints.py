@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import threading
 import uuid
 import warnings
@@ -34,6 +33,7 @@ from trainguard.actions.checkpoint_blobs import (
     BlobWriter,
     DigestMemory,
     collect_blobs,
+    foreign_blobs,
     fsync_dir,
     read_table,
     same_bytes,
@@ -59,6 +59,12 @@ from trainguard.actions.checkpoint_files import (
 from trainguard.actions.snapshots import rng_from_plain, rng_state, rng_to_plain, set_rng_state
 from trainguard.distributed.context import RankContext
 from trainguard.events import TrainguardError, _utc_now
+from trainguard.run_files import (
+    check_folder,
+    make_folder,
+    remove_tree,
+    write_atomically,
+)
 
 PREFIX = "step-"
 Accepted = TypeVar("Accepted")
@@ -175,6 +181,13 @@ class BufferStager(AsyncStager):
             self.memory.clear()
 
 
+def check_checkpoint_folders(directory: Path) -> None:
+    """Raise a `RunFileError` when `directory` (`run_dir/checkpoints`) or its `blobs/` is a
+    symbolic link or no folder: nothing is written or pruned through a planted link."""
+    check_folder(directory)
+    check_folder(directory / BLOBS)
+
+
 class CheckpointStore:
     """`directory/step-N/`: the tensors, `trainguard.json` (plain state) and `manifest.json`
     (step, time, sha256 of each file, version, incident state), renamed in place when complete.
@@ -192,6 +205,7 @@ class CheckpointStore:
     ) -> None:
         self.directory = Path(directory)
         self.blobs = self.directory / BLOBS
+        self._check_folders()  # a link planted as checkpoints/ or blobs/: refused at the start
         self.dedup = dedup
         self._memory = DigestMemory() if dedup else None
         self.written: dict[str, int] = {}  # this rank's last save: blob bytes written, hashed
@@ -203,7 +217,8 @@ class CheckpointStore:
         self.asynchronous = asynchronous
         self._pending: threading.Event | None = None  # set once the write is finished
         self._lock = threading.Lock()
-        self.errors: list[str] = []
+        self.errors: list[str] = []  # lines the writer has to say (failures, repairs), each once
+        self._foreign_said = False  # the blobs folder lies elsewhere: said once
         self._stager = BufferStager(self._memory)
         self.protected: set[int] = set()  # steps kept as the last known-good before an incident
 
@@ -229,14 +244,19 @@ class CheckpointStore:
         self._pending = finished
         try:
             if ranks is None:
-                self.directory.mkdir(parents=True, exist_ok=True)
+                make_folder(self.directory)
+                self._check_folders()
             else:  # each rank's own plain state, on disk before DCP's last barrier
                 try:
-                    tmp.mkdir(parents=True, exist_ok=True)
-                    (tmp / plain_name(ranks.rank)).write_text(plain_text)
+                    make_folder(self.directory)
+                    self._check_folders()
+                    tmp.mkdir(exist_ok=True)
+                    write_atomically(tmp / plain_name(ranks.rank), plain_text.encode())
                 except OSError as exc:  # DCP's collectives must still run on this rank
                     self._fail(step, None, exc)
-            future = self._write(tmp, tensors, no_dist=ranks is None and _no_dist())
+            if self.dedup:
+                self._blobs_are_ours()
+            future = self._write(tmp, tensors, ranks is None and _no_dist(), step)
         except (Exception, CheckpointException) as exc:
             self._fail(step, tmp if leader else None, exc)
             finished.set()
@@ -256,13 +276,13 @@ class CheckpointStore:
         if not self.asynchronous:
             self.wait()
 
-    def _write(self, tmp: Path, tensors: dict[str, Any], no_dist: bool) -> Any:
+    def _write(self, tmp: Path, tensors: dict[str, Any], no_dist: bool, step: int) -> Any:
         """Start DCP's write of the tensors into `tmp`: a future that completes once written."""
         if self.asynchronous and no_dist:
             _quiet_writer_thread()
         writer = None
         if self._memory is not None:
-            writer = BlobWriter(self.blobs, self._memory, self._stager.addresses)
+            writer = BlobWriter(self.blobs, self._memory, self._stager.addresses, step, self._say)
             self.written = {}
 
             def count(done: concurrent.futures.Future[Any]) -> None:
@@ -296,26 +316,47 @@ class CheckpointStore:
             future.set_result(None)
             return future
 
+    def _say(self, line: str) -> None:
+        """Keep a line for the next step's `checkpoint` warning (from any thread)."""
+        with self._lock:
+            self.errors.append(line)
+
+    def _blobs_are_ours(self) -> bool:
+        """Whether the blobs folder is the run's own; said once when it resolves elsewhere (a
+        link to a folder other runs may share): blobs are written there but never deleted."""
+        elsewhere = foreign_blobs(self.directory)
+        if elsewhere is None:
+            return True
+        with self._lock:  # saves and the writer's collection both ask
+            first, self._foreign_said = not self._foreign_said, True
+        if first:
+            self._say(
+                f"{self.blobs} resolves to {elsewhere}, outside the run folder: checkpoints "
+                "write their blobs there but never delete any (other runs may use them), so "
+                "unused ones accumulate; make it a plain folder of the run to have them collected"
+            )
+        return False
+
     def _fail(self, step: int, tmp: Path | None, exc: BaseException) -> None:
         """Record a failed checkpoint and remove what it left (the older ones stay): its folder,
         and the blobs it wrote that no kept checkpoint uses (every rank's writes are over once
         DCP's save has failed on rank 0)."""
         if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp, self._note)
             with contextlib.suppress(OSError):
                 self._collect()
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _first_line(exc)
-        with self._lock:
-            self.errors.append(
-                f"the checkpoint of step {step} could not be written ({reason}); "
-                "training goes on, the older checkpoints are kept"
-            )
+        self._say(
+            f"the checkpoint of step {step} could not be written ({reason}); "
+            "training goes on, the older checkpoints are kept"
+        )
 
     def _finish(
         self, step: int, tmp: Path, plain_text: str | None, manifest: dict[str, Any]
     ) -> None:
+        self._check_folders()  # a link planted since the save began: nothing is pruned through it
         if plain_text is not None:
-            (tmp / PLAIN_STATE).write_text(plain_text)
+            write_atomically(tmp / PLAIN_STATE, plain_text.encode())
         files = {p.name: file_digest(p, step) for p in sorted(tmp.iterdir()) if p.is_file()}
         if self.ranks is not None:
             ranks_written = sum(1 for n in files if n.startswith("trainguard-rank"))
@@ -335,13 +376,10 @@ class CheckpointStore:
             chunks = [c for entry in table.values() for c in entry["chunks"]]
             record["storage"] = BLOB_STORAGE
             record["blobs"] = {c["blob"]: c["bytes"] for c in chunks}
-        with (tmp / MANIFEST).open("w") as f:
-            json.dump(record, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        write_atomically(tmp / MANIFEST, json.dumps(record, indent=1).encode())
         fsync_dir(tmp)
         final = self.directory / f"{PREFIX}{step}"
-        if final.exists():  # a replayed step after a rollback: the newer trajectory wins
+        if os.path.lexists(final):  # a replayed step after a rollback: the newer trajectory wins
             self._delete(final)
         os.rename(tmp, final)
         fsync_dir(self.directory)
@@ -350,9 +388,21 @@ class CheckpointStore:
     def _delete(self, path: Path) -> None:
         """Remove a checkpoint folder: renamed out of the `step-N` names first, so that a crash
         while deleting leaves no half checkpoint, only a leftover the next prune removes."""
+        if path.is_symlink():  # planted: what it points to is not this run's to delete
+            remove_tree(path, self._note)
+            return
         doomed = path.with_name(f".{path.name}.deleted-{uuid.uuid4().hex[:8]}")
         os.rename(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        remove_tree(doomed, self._note)
+
+    def _note(self, message: str) -> None:
+        """Keep a warning for `Checkpointing.report_errors` (the writer may be a thread)."""
+        with self._lock:
+            self.errors.append(message)
+
+    def _check_folders(self) -> None:
+        """Raise a `RunFileError` when `checkpoints/` or its `blobs/` is a link or no folder."""
+        check_checkpoint_folders(self.directory)
 
     def _prune(self) -> None:
         """Keep the newest `keep` complete checkpoints and the protected ones, and the blobs
@@ -364,13 +414,15 @@ class CheckpointStore:
             if step_of(path) not in keep:
                 self._delete(path)
         for leftover in self.directory.glob(f".{PREFIX}*.deleted-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+            remove_tree(leftover, self._note)
         self._collect()
 
     def _collect(self) -> None:
-        """Delete the blobs no `step-N` folder's manifest names (between saves only)."""
-        if self.blobs.is_dir():
-            collect_blobs(self.blobs, self._referenced())
+        """Delete the blobs no `step-N` folder's manifest names (between saves only), in the
+        run's own blobs folder only: never in one a link leads to."""
+        if os.path.lexists(self.blobs) and self._blobs_are_ours():
+            seen = self._memory.seen if self._memory is not None else None
+            collect_blobs(self.blobs, self._referenced(), seen)
 
     def _referenced(self) -> set[str]:
         """Every blob a `step-N` folder's manifest names (one whose manifest cannot be read
@@ -418,7 +470,8 @@ class CheckpointStore:
         step = step_of(path)
         manifest = verify_manifest(path, step)
         if manifest.get("storage") == BLOB_STORAGE:
-            verify_blobs(self.blobs_of(path), manifest.get("blobs"))
+            seen = self._memory.seen if self._memory is not None else None
+            verify_blobs(self.blobs_of(path), manifest.get("blobs"), seen)
         self.metadata(path, manifest)
         for name in manifest["files"]:
             if name == PLAIN_STATE or name.startswith("trainguard-rank"):
@@ -484,9 +537,9 @@ class CheckpointStore:
         if self.directory.is_dir():
             for p in sorted(self.directory.iterdir()):
                 if p.name.startswith(f".{PREFIX}") and ".deleted-" in p.name:
-                    shutil.rmtree(p, ignore_errors=True)  # a deletion a crash cut short
+                    remove_tree(p, warn)  # a deletion a crash cut short
                 elif p.name.startswith(f".{PREFIX}") and ".tmp-" in p.name:
-                    shutil.rmtree(p, ignore_errors=True)
+                    remove_tree(p, warn)
                     warn(
                         f"{p.name}: an incomplete checkpoint (the run stopped while writing it); "
                         "removed"

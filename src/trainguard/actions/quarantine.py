@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from trainguard.events import _json_number, _utc_now
 from trainguard.line_file import LineFile, Report, stderr_report
+from trainguard.run_files import read_bytes
 
 MAX_SUSPECTS = 256  # suspects held at once; a follow-up comes a few steps after its spike
 
@@ -46,8 +48,9 @@ class Quarantine:
         self.records: list[dict[str, Any]] = []  # the quarantine records (releases not counted)
         self.releases: list[dict[str, Any]] = []
         self.suspects: dict[int, dict[str, Any]] = {}  # step -> ids, held until the follow-up
-        if self.path is not None and self.path.is_file():
-            for number, line in enumerate(self.path.read_text().splitlines(), 1):
+        if self.path is not None and os.path.lexists(self.path):  # a planted link: an error
+            text = read_bytes(self.path).decode("utf-8", errors="replace")
+            for number, line in enumerate(text.splitlines(), 1):
                 if not line.strip():
                     continue
                 try:

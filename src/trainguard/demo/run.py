@@ -4,7 +4,6 @@ by side (clean, unguarded, guarded) through four planted incidents, then a table
 from __future__ import annotations
 
 import math
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,6 +18,8 @@ import trainguard as tg
 from trainguard.demo.data import Batch, TextCorpus
 from trainguard.demo.model import Block, TinyGPT, TinyGPTConfig
 from trainguard.demo.scenarios import Fault, planted, train
+from trainguard.line_file import stderr_report
+from trainguard.run_files import remove_tree
 
 LR = 3e-3
 BATCH, SEQ = 16, 64
@@ -251,9 +252,7 @@ def _clear(run_dir: Path) -> None:
     """A fresh demo each time; only the demo's own files go, never anything else there."""
     for name in ("events.jsonl", "metrics.jsonl", "quarantine.jsonl", "config.json"):
         (run_dir / name).unlink(missing_ok=True)
-    checkpoints = run_dir / "checkpoints"
-    if checkpoints.is_dir():
-        shutil.rmtree(checkpoints)
+    remove_tree(run_dir / "checkpoints", stderr_report)  # a link there: only the link goes
 
 
 def _make_run(name: str, corpus: TextCorpus, seed: int, run_dir: Path) -> DemoRun:

@@ -10,13 +10,17 @@ optimizers' `state_dict`, `load_state_dict`, `loss_scale` and checkpoint prologu
 which `engine.load_checkpoint` itself calls. Two more mechanisms stand in
 for missing API: a skip shadows the basic optimizer's `step` for one call (`update_held`), and
 the Hugging Face callback finds the Trainer's engine among the optimizer's referrers
-(`engine_of`), as the Trainer hands callbacks the optimizer but not the engine.
+(`engine_of`), as the Trainer hands callbacks the optimizer but not the engine. A resume reads
+DeepSpeed's files through a `weights_only` load in place of its checkpoint engine's
+(`weights_only_loads`), allowing only the DeepSpeed classes a ZeRO checkpoint pickles
+(`CHECKPOINT_GLOBALS`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +35,16 @@ OFFLOAD_FLAGS = ("cpu_offload", "offload_optimizer")  # ZeRO-Offload keeps gradi
 DP_GROUP = "dp_process_group"
 # ZeRO-1/2: copy this rank's fp32 partition into the module's weights and all-gather them
 REGATHER = "update_lp_params"
+CHECKPOINT_ENGINE = "checkpoint_engine"  # the engine's reader and writer of checkpoint files
+# the only globals (module, name) a ZeRO-1/2/3 checkpoint of DeepSpeed 0.19 pickles, besides
+# torch's tensors and containers: the loss scaler (a plain object), ZeRO's stage (an IntEnum) and
+# ZeRO-1/2's parameter slice map (a dataclass of two ints)
+CHECKPOINT_GLOBALS = (
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+)
 
 
 def gradient_partitions(optimizer: Any) -> list[torch.Tensor]:
@@ -115,3 +129,52 @@ def engine_step(engine: Any) -> None:
     """The engine's own `step()`, whatever an instance attribute put in its place (the Hugging
     Face callback routes the Trainer's `engine.step()` through the guard)."""
     type(engine).step(engine)
+
+
+def checkpoint_globals() -> list[Any]:
+    """The classes of `CHECKPOINT_GLOBALS`, for `torch.serialization.safe_globals`."""
+    return [getattr(importlib.import_module(m), n) for m, n in CHECKPOINT_GLOBALS]
+
+
+def unsafe_globals(path: str) -> list[str]:
+    """The globals the pickle of a `torch.save` file names beyond torch's weights-only set and
+    `CHECKPOINT_GLOBALS`, read without unpickling (`ValueError` for a file torch.save did not
+    write)."""
+    with torch.serialization.safe_globals(checkpoint_globals()):
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+
+
+def unsupported_checkpoints(engine: Any) -> str | None:
+    """Why the guard cannot verify this engine's checkpoints (None where it can): they must be
+    written by torch's own checkpoint engine, synchronously, into the tag's folder alone."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    writer = getattr(engine, CHECKPOINT_ENGINE, None)
+    if type(writer) is not TorchCheckpointEngine:
+        return f"DeepSpeed's {type(writer).__name__} (checkpoint.writer or datastates)"
+    if engine.load_universal_checkpoint():
+        return "universal checkpoints (checkpoint.load_universal)"
+    return None
+
+
+@contextlib.contextmanager
+def weights_only_loads(engine: Any) -> Iterator[None]:
+    """Inside, `engine.load_checkpoint` reads every file with `torch.load(weights_only=True)`,
+    allowing only `CHECKPOINT_GLOBALS` (an instance attribute shadows the checkpoint engine's
+    `load`, which calls `torch.load(weights_only=False)`)."""
+    reader = getattr(engine, CHECKPOINT_ENGINE)
+    allowed = checkpoint_globals()
+
+    def load(path: str, map_location: Any = None) -> Any:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    own = vars(reader).get("load")
+    reader.load = load
+    try:
+        yield
+    finally:
+        if own is None:
+            del reader.load
+        else:
+            reader.load = own

@@ -29,7 +29,8 @@ import dataclasses
 import json
 import math
 import os
-import shutil
+import pickle
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -39,25 +40,36 @@ import torch
 import torch.distributed as dist
 
 from trainguard._torch_private import foreach_norm
+from trainguard.actions.checkpoint_files import (
+    DIGEST_SCHEME,
+    DamagedCheckpoint,
+    file_digest,
+    passed_over,
+    read_json,
+)
 from trainguard.actions.optimizer_step import OptimizerActions
 from trainguard.actions.preemptive import PreemptiveActions
 from trainguard.actions.replicas import ReplicaResync
 from trainguard.actions.snapshots import rng_from_plain, rng_state, rng_to_plain, set_rng_state
 from trainguard.actions.user_actions import ActionTarget, build_actions, run_actions
+from trainguard.checkpointing import set_aside
 from trainguard.config import ConfigInput, GuardConfig
 from trainguard.distributed.replicas import ReplicaFingerprint
-from trainguard.events import Decision, Event, EventKind, TrainguardError
+from trainguard.events import Decision, Event, EventKind, TrainguardError, _utc_now
 from trainguard.guard import Guard, _point_from_signals
 from trainguard.integrations import _deepspeed_private as private
 from trainguard.moe.routing import RoutingStats
 from trainguard.monitor import Monitor, checked_token_accuracy
 from trainguard.recovery import Recovery
+from trainguard.run_files import remove_tree
 from trainguard.signals.gradients import FIRST_NONFINITE, Measurement, StepSignals
 from trainguard.sinks import Sink
 
 _HEAD = 5  # loss, grad norm, non-finite count, loss scale, local non-finite count
 TAG_PREFIX = "step-"  # a checkpoint's DeepSpeed tag: step-<the step it resumes at>
 LATEST = "latest"  # DeepSpeed's file naming the newest tag; written here once every rank is done
+_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a file name of a tag's folder
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def check_engine(engine: Any) -> None:
@@ -306,6 +318,12 @@ class DeepSpeedGuard(Guard):
         sinks: Sequence[Sink] = (),
     ) -> None:
         check_engine(engine)
+        unsupported = private.unsupported_checkpoints(engine) if run_dir is not None else None
+        if unsupported is not None:
+            raise TrainguardError(
+                f"DeepSpeedGuard cannot verify checkpoints written by {unsupported}: "
+                "use DeepSpeed's default checkpoint engine, or no run_dir"
+            )
         cfg = GuardConfig.of(config)
         cfg = cfg.model_copy(update={"max_grad_norm": None})  # the engine clips
         self.engine = engine
@@ -333,6 +351,7 @@ class DeepSpeedGuard(Guard):
         self._training = None
         self.user_actions = build_actions(cfg)
         self.checkpointing = None
+        self._continues_a_run = False  # resumed, or saved once: the checkpoints are its own
         self._resume_data = None
         self.checkpoint_clock = time.monotonic  # seconds; tests replace it
         self._last_checkpoint_at = None
@@ -454,8 +473,9 @@ class DeepSpeedGuard(Guard):
     def save_checkpoint(self) -> None:
         """Write a checkpoint of the state at the start of the next step, on every rank alike:
         DeepSpeed's own (`engine.save_checkpoint`: module, each rank's ZeRO partition), then each
-        rank's guard state, data position and RNGs beside it; DeepSpeed's `latest` names it only
-        once every rank has written, so a rank killed midway leaves the previous one newest."""
+        rank's guard state, data position and RNGs beside it; once every rank has written, rank 0
+        writes the tag's manifest (each file's step-bound sha256 and size), then DeepSpeed's
+        `latest`: a rank killed midway leaves the previous checkpoint the newest that verifies."""
         directory = self.checkpoint_dir
         if directory is None:
             raise TrainguardError(
@@ -463,6 +483,13 @@ class DeepSpeedGuard(Guard):
             )
         step = self.global_step
         self._last_checkpoint_at = self.checkpoint_clock()  # the time interval counts from here
+        rank = self.ranks.rank if self.ranks is not None else 0
+        if not self._continues_a_run:  # a new run's first checkpoint: an earlier run's go aside
+            self._continues_a_run = True
+            if rank == 0:
+                self._set_aside_earlier(directory)
+            if self.ranks is not None:  # moved before any rank writes into the folder
+                dist.barrier(group=self.ranks.group)
         tag = f"{TAG_PREFIX}{step}"
         scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
         self.engine.save_checkpoint(
@@ -476,23 +503,49 @@ class DeepSpeedGuard(Guard):
             "data": batches.state() if batches is not None else None,
             "rng": rng_to_plain(rng_state()),
         }
-        rank = self.ranks.rank if self.ranks is not None else 0
-        _write_atomically(directory / tag / f"trainguard-rank{rank}.json", json.dumps(own))
+        _write_atomically(directory / tag / rank_file(rank), json.dumps(own))
         if self.ranks is not None:
             dist.barrier(group=self.ranks.group)
         if rank == 0:
+            world = self.ranks.world_size if self.ranks is not None else 1
+            _write_atomically(
+                directory / tag / MANIFEST, json.dumps(tag_manifest(directory / tag, step, world))
+            )
             _write_atomically(directory / LATEST, tag)
-            self._drop_old_checkpoints(directory, keep=self.config.recovery.keep_checkpoints)
+            self._drop_old_checkpoints(
+                directory, keep=self.config.recovery.keep_checkpoints, current=tag
+            )
         if self.ranks is not None:
             dist.barrier(group=self.ranks.group)
 
-    def _drop_old_checkpoints(self, directory: Path, keep: int) -> None:
-        tags = sorted(
-            (p for p in directory.glob(f"{TAG_PREFIX}*") if p.name[len(TAG_PREFIX) :].isdigit()),
-            key=lambda p: int(p.name[len(TAG_PREFIX) :]),
+    def _set_aside_earlier(self, directory: Path) -> None:
+        """Move an earlier run's checkpoints (any `step-*` folder or `latest`) to
+        `checkpoints-earlier-<time>`, as `tg.Guard` does: retention would otherwise keep their
+        higher steps and delete this run's own as it writes them."""
+        if not directory.is_dir():
+            return
+        tags = _tag_folders(directory)
+        if not tags and not (directory / LATEST).exists():
+            return
+        newest = tags[0].name if tags else LATEST
+        set_aside(
+            directory, newest, self._warn, "use DeepSpeedGuard.resume(...) to carry on from a run"
         )
-        for path in tags[:-keep]:
-            shutil.rmtree(path, ignore_errors=True)
+
+    def _drop_old_checkpoints(self, directory: Path, keep: int, current: str) -> None:
+        """Keep the `keep` highest steps and the checkpoint just written; each other one is
+        renamed out of the `step-N` names before it is deleted."""
+        for path in _tag_folders(directory)[keep:]:
+            if path.name == current:
+                continue
+            doomed = path.with_name(f".{path.name}.deleted-{os.getpid()}")
+            try:
+                os.rename(path, doomed)
+            except OSError:
+                continue
+            remove_tree(doomed, self._warn)
+        for leftover in directory.glob(f".{TAG_PREFIX}*.deleted-*"):
+            remove_tree(leftover, self._warn)
 
     @classmethod
     def resume(  # type: ignore[override]
@@ -502,9 +555,10 @@ class DeepSpeedGuard(Guard):
         config: ConfigInput = None,
         sinks: Sequence[Sink] = (),
     ) -> DeepSpeedGuard:
-        """A guard restored from the newest complete checkpoint in `run_dir` (DeepSpeed's
-        `engine.load_checkpoint`, then this rank's guard state, LR schedule, data position and
-        RNGs); one that starts at step 0 where there is none yet."""
+        """A guard restored from the newest checkpoint in `run_dir` that verifies (the tag
+        `latest` names, else the newest `step-*`): DeepSpeed's `engine.load_checkpoint` through a
+        weights-only load, then this rank's guard state, LR schedule, data position and RNGs;
+        one that starts at step 0 where none verifies."""
         path = Path(run_dir)
         if config is None and (path / "config.json").is_file():
             config = GuardConfig.load(path / "config.json")
@@ -519,27 +573,27 @@ class DeepSpeedGuard(Guard):
     def _restore_newest(self) -> None:
         directory = self.checkpoint_dir
         assert directory is not None
-        latest = directory / LATEST
-        if not latest.is_file():
-            self._warn(f"no checkpoint in {directory}: starting at step 0")
+        tag = self._choose_checkpoint(directory)
+        if tag is None:
             return
-        tag = latest.read_text().strip()
+        self._continues_a_run = True  # its checkpoints are this run's own
         rank = self.ranks.rank if self.ranks is not None else 0
-        own_path = directory / tag / f"trainguard-rank{rank}.json"
+        own = json.loads((directory / tag / rank_file(rank)).read_text())  # verified JSON
         try:
-            own = json.loads(own_path.read_text())
-        except (OSError, ValueError) as exc:
+            with private.weights_only_loads(self.engine):
+                loaded, client = self.engine.load_checkpoint(
+                    str(directory),
+                    tag=tag,
+                    load_optimizer_states=True,
+                    load_lr_scheduler_states=False,
+                )
+        except pickle.UnpicklingError as exc:
             raise TrainguardError(
-                f"cannot resume from {directory / tag}: {own_path.name} is unreadable ({exc}); "
-                f"point {latest} at an older step-* folder"
+                f"cannot resume from {directory / tag}: a weights-only load refuses it "
+                f"({_unpickling_reason(exc)})"
             ) from None
-        loaded, client = self.engine.load_checkpoint(
-            str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
-        )
         if loaded is None:
-            raise TrainguardError(
-                f"DeepSpeed could not load {directory / tag}; point {latest} at an older step-*"
-            )
+            raise TrainguardError(f"DeepSpeed could not load {directory / tag}")
         if self.scheduler is not None and client.get("lr_scheduler") is not None:
             self.scheduler.load_state_dict(client["lr_scheduler"])
         self.load_state_dict(own["guard"])
@@ -558,6 +612,208 @@ class DeepSpeedGuard(Guard):
             ]
         )
 
+    def _choose_checkpoint(self, directory: Path) -> str | None:
+        """The tag every rank resumes from: rank 0 verifies the candidates (`latest`'s, then
+        the `step-*` folders, newest first), warns of each it passes over, and broadcasts its
+        choice; None (said) where none verifies."""
+        choice: list[Any] = [None, None]  # the tag, or an error every rank raises
+        if self.ranks is None or self.ranks.is_leader:
+            try:
+                choice[0] = self._newest_verified(directory)
+            except TrainguardError as exc:
+                choice[1] = str(exc)
+        if self.ranks is not None:
+            dist.broadcast_object_list(choice, src=0, group=self.ranks.group)
+        if choice[1] is not None:
+            raise TrainguardError(str(choice[1]))
+        if choice[0] is None:
+            if _tag_folders(directory) or (directory / LATEST).exists():
+                self._warn(f"no usable checkpoint in {directory}: starting at step 0")
+            else:
+                self._warn(f"no checkpoint in {directory}: starting at step 0")
+            return None
+        return str(choice[0])
+
+    def _newest_verified(self, directory: Path) -> str | None:
+        """Rank 0: the first candidate tag whose manifest, files and guard states verify."""
+        if not directory.is_dir() or directory.is_symlink():
+            return None
+        world = self.ranks.world_size if self.ranks is not None else 1
+        candidates = [p.name for p in _tag_folders(directory)]
+        named = self._latest_tag(directory)
+        if named is not None:
+            candidates = [named] + [t for t in candidates if t != named]
+        for tag in candidates:
+            try:
+                verify_tag(directory / tag, world)
+                for r in range(world):
+                    own = read_json(directory / tag / rank_file(r), "JSON")
+                    self._check_guard_state(check_rank_state(own, step_of_tag(tag), rank_file(r)))
+            except DamagedCheckpoint as exc:
+                self._warn(passed_over(directory / tag, exc))
+                continue
+            return tag
+        return None
+
+    def _latest_tag(self, directory: Path) -> str | None:
+        """The tag `latest` names where it is a `step-<digits>` folder directly inside
+        `directory`; anything else is warned of and the folders are scanned instead."""
+        latest = directory / LATEST
+        if not latest.exists() and not latest.is_symlink():
+            return None
+        try:
+            if latest.is_symlink() or not latest.is_file():
+                raise ValueError("it is not a plain file")
+            with latest.open("rb") as f:
+                text = f.read(256).decode("ascii").strip()
+        except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+            self._warn(
+                f"{latest} is unreadable ({exc}); using the newest step-* folder that verifies"
+            )
+            return None
+        folder = directory / text
+        if (
+            not _TAG.fullmatch(text)
+            or folder.is_symlink()
+            or not folder.is_dir()
+            or folder.resolve().parent != directory.resolve()
+        ):
+            self._warn(
+                f"{latest} names {text[:80]!r}, not a step-N checkpoint folder of {directory}; "
+                "passed over, using the newest step-* folder that verifies"
+            )
+            return None
+        return text
+
+
+MANIFEST = "manifest.json"  # a tag's files, each with its step-bound sha256 and size
+_TAG = re.compile(rf"{TAG_PREFIX}[0-9]{{1,18}}")
+
+
+def rank_file(rank: int) -> str:
+    """The plain JSON state a rank writes beside DeepSpeed's files."""
+    return f"trainguard-rank{rank}.json"
+
+
+def step_of_tag(tag: str) -> int:
+    return int(tag[len(TAG_PREFIX) :])
+
+
+def _tag_folders(directory: Path) -> list[Path]:
+    """Every `step-<digits>` folder directly in `directory` (no symlink), newest first."""
+    if not directory.is_dir():
+        return []
+    found = [
+        p
+        for p in directory.iterdir()
+        if _TAG.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
+    ]
+    return sorted(found, key=lambda p: step_of_tag(p.name), reverse=True)
+
+
+def tag_manifest(folder: Path, step: int, world: int) -> dict[str, Any]:
+    """The manifest of a tag's folder once every rank has written: every file's sha256, bound to
+    the step and the file's name, and its size."""
+    files = {}
+    for path in sorted(folder.iterdir()):
+        if path.name == MANIFEST or path.is_symlink() or not path.is_file():
+            continue  # a folder or link makes the tag fail verification: DeepSpeed writes none
+        files[path.name] = {"sha256": file_digest(path, step), "bytes": path.stat().st_size}
+    return {
+        "step": step,
+        "tag": folder.name,
+        "world_size": world,
+        "checksums": DIGEST_SCHEME,
+        "trainguard_version": _version(),
+        "time": _utc_now(),
+        "files": files,
+    }
+
+
+def verify_tag(folder: Path, world: int) -> dict[str, Any]:
+    """The manifest of a tag whose folder holds exactly the files it lists, each of the listed
+    size and step-bound digest; `DamagedCheckpoint` saying what does not check out (a different
+    world size is a `TrainguardError`: no older checkpoint fits either)."""
+    step = step_of_tag(folder.name)
+    if (folder / MANIFEST).is_symlink():
+        raise DamagedCheckpoint(f"its {MANIFEST} is a link")
+    manifest = read_json(folder / MANIFEST, "a JSON manifest")
+    if not isinstance(manifest, dict):
+        raise DamagedCheckpoint(f"its {MANIFEST} is not a JSON object")
+    if (
+        type(manifest.get("step")) is not int
+        or manifest["step"] != step
+        or manifest.get("tag") != folder.name
+    ):
+        raise DamagedCheckpoint(
+            f"its {MANIFEST} is of {manifest.get('tag')!r}, not {folder.name} (moved or copied)"
+        )
+    if manifest.get("checksums") != DIGEST_SCHEME:
+        raise DamagedCheckpoint(f"its {MANIFEST} has no step-bound checksums")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(name, str)
+        and _FILE.fullmatch(name)
+        and isinstance(entry, dict)
+        and isinstance(entry.get("sha256"), str)
+        and _HEX64.fullmatch(entry["sha256"])
+        and type(entry.get("bytes")) is int
+        for name, entry in files.items()
+    ):
+        raise DamagedCheckpoint(f"its {MANIFEST} has no valid list of files, digests and sizes")
+    if manifest.get("world_size") != world:
+        raise TrainguardError(
+            f"{folder} was written by {manifest.get('world_size')!r} ranks, this run has {world}: "
+            "DeepSpeedGuard resumes on the same number of ranks"
+        )
+    present = {p.name: p for p in folder.iterdir() if p.name != MANIFEST}
+    unlisted = sorted(set(present) - set(files))
+    if unlisted:
+        raise DamagedCheckpoint(f"it holds {unlisted[0]}, which its {MANIFEST} does not list")
+    wanted = {rank_file(r) for r in range(world)}
+    if not wanted <= set(files):
+        raise DamagedCheckpoint(f"its {MANIFEST} does not list every rank's state")
+    for name, entry in files.items():
+        path = present.get(name)
+        if path is None or path.is_symlink() or not path.is_file():
+            raise DamagedCheckpoint(f"its {name} is missing")
+        try:
+            if path.stat().st_size != entry["bytes"]:
+                raise DamagedCheckpoint(f"its {name} is not of its listed size")
+            actual = file_digest(path, step)
+        except OSError as exc:
+            raise DamagedCheckpoint(f"its {name} cannot be read ({exc.strerror})") from None
+        if actual != entry["sha256"]:
+            raise DamagedCheckpoint(f"its {name} fails its checksum")
+        if name.endswith(".pt"):  # read as a program, not run: the load itself is weights-only
+            try:
+                unsafe = private.unsafe_globals(str(path))
+            except Exception as exc:  # a file torch.save did not write raises any of several
+                raise DamagedCheckpoint(f"its {name} is not a torch.save file ({exc!r})") from None
+            if unsafe:
+                raise DamagedCheckpoint(
+                    f"its {name} pickles {unsafe[0]}, which a DeepSpeed checkpoint never holds; "
+                    "refusing to load it"
+                )
+    return manifest
+
+
+def check_rank_state(own: Any, step: int, name: str) -> dict[str, Any]:
+    """A rank's plain state as the guard wrote it: of this step, with its guard, data and RNG
+    parts (its guard state in the shape `Guard._check_guard_state` takes)."""
+    if not isinstance(own, dict) or own.get("step") != step or type(own.get("step")) is not int:
+        raise DamagedCheckpoint(f"its {name} is not the guard state of step {step}")
+    guard = own.get("guard")
+    if not isinstance(guard, dict) or guard.get("global_step") != step:
+        raise DamagedCheckpoint(f"its {name} holds no guard state of step {step}")
+    if not isinstance(own.get("rng"), dict) or not isinstance(
+        own.get("data", {}), (dict, type(None))
+    ):
+        raise DamagedCheckpoint(f"its {name} has a malformed random or data state")
+    if "data" not in own:
+        raise DamagedCheckpoint(f"its {name} has no data position")
+    return {"guard": guard, "data": own["data"]}
+
 
 def _replicates_module(engine: Any, world: int) -> bool:
     """Whether every rank holds the whole module, so that the replicas can be compared: ZeRO-1
@@ -567,14 +823,21 @@ def _replicates_module(engine: Any, world: int) -> bool:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` whole or not at all (a temporary file, fsynced, renamed)."""
+    """Write `text` to `path` whole or not at all (a fresh temporary of an unpredictable name,
+    fsynced, renamed); a link or FIFO at `path` is a `RunFileError`, never written through."""
+    from trainguard.run_files import write_atomically
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomically(path, text.encode())
+
+
+def _unpickling_reason(exc: pickle.UnpicklingError) -> str:
+    """The one line of torch's weights-only refusal that says what it refused."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    for line in lines:
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].split(". Please")[0].strip()
+    return lines[0][:300]
 
 
 def _version() -> str:

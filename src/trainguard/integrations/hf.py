@@ -15,6 +15,7 @@ from trainguard.events import TrainguardError, TrainingHalted
 from trainguard.guard import Guard
 from trainguard.integrations.evaluations import evaluation_results
 from trainguard.integrations.schedules import ScheduleHistory
+from trainguard.run_files import make_folder
 
 
 class TrainguardCallback(TrainerCallback):
@@ -92,7 +93,10 @@ class TrainguardCallback(TrainerCallback):
         run_dir = (
             self.run_dir if self.run_dir is not None else Path(args.output_dir or ".", "trainguard")
         )
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        if self.run_dir is None:  # trainguard's own folder in output_dir: never a link followed
+            make_folder(Path(run_dir))
+        else:  # the user's choice, a link or not
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
         if self.guard is not None:  # a fit that ended in an error left it open
             self.guard.close()
         self._scheduler = kwargs.get("lr_scheduler")

@@ -15,6 +15,7 @@ from trainguard.events import TrainguardError, TrainingHalted
 from trainguard.guard import Guard
 from trainguard.integrations.evaluations import evaluation_results
 from trainguard.integrations.schedules import PerStepSchedule, ScheduleHistory
+from trainguard.run_files import make_folder
 
 
 class TrainguardCallback(pl.Callback):
@@ -65,7 +66,7 @@ class TrainguardCallback(pl.Callback):
             diagnosis = config.diagnosis.model_copy(update={"total_steps": planned})
             config = config.model_copy(update={"diagnosis": diagnosis})
         run_dir = self.run_dir if self.run_dir is not None else Path(trainer.default_root_dir)
-        Path(run_dir, "trainguard").mkdir(parents=True, exist_ok=True)
+        make_folder(Path(run_dir, "trainguard"))  # trainguard's own: never a link followed
         if self.guard is not None:  # a fit that ended in an error left it open
             self.guard.close()
         self.guard = Guard(

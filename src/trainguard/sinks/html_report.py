@@ -3,7 +3,6 @@ the incidents on them, a heat map of layer-group grad norms, incident cards, lin
 
 from __future__ import annotations
 
-import contextlib
 import html
 import json
 import math
@@ -16,6 +15,7 @@ import numpy as np
 
 from trainguard.analysis.run import RunRecord
 from trainguard.events import SEVERITY_RANK, TrainguardError
+from trainguard.run_files import write_atomically
 
 MAX_POINTS = 6000  # per trace: min/max per bucket keeps every spike visible
 MAX_HEAT_COLUMNS = 600
@@ -184,14 +184,8 @@ def write_report(record: RunRecord, out: str | Path, title: str | None = None) -
         + "\n".join(body)
         + f'<script type="text/javascript">{data}\n{scripts}</script></body></html>\n'
     )
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(page, encoding="utf-8")
-        tmp.replace(path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()  # no half-written page is left behind
-        raise
+    # a fresh temporary of an unpredictable name, renamed over the page: none half-written
+    write_atomically(path, page.encode("utf-8"), fix="remove it or choose another output file")
     return path
 
 
@@ -303,7 +297,9 @@ def _curves(record: RunRecord, incidents: list[Incident], types: dict[int, str])
     evaluations = [  # a panel per evaluation, `MAX_EVAL_PANELS` at most
         name for name, (_, values) in record.evals.items() if np.isfinite(values).any()
     ][:MAX_EVAL_PANELS]
-    panels += [(EVAL_PANEL + name, name.replace("_", " "), False) for name in evaluations]
+    panels += [
+        (EVAL_PANEL + name, _plotly_text(name.replace("_", " ")), False) for name in evaluations
+    ]
     row_of = {key: row for row, (key, _, _) in enumerate(panels, 1)}
     fig = make_subplots(
         rows=len(panels),
@@ -416,8 +412,9 @@ def _mark_incidents(
             if kind == "nonfinite":
                 nonfinite.append(step)
             label = _label(e, types)
-            text = (
-                f"step {step}: {kind} ({label if label != kind else e['severity']})"
+            said = label if label != kind else str(e["severity"])
+            text = (  # the user's strings escaped, trainguard's own <br> kept
+                f"step {step}: {_plotly_text(kind)} ({_plotly_text(said)})"
                 f"<br>{_wrap(str(e.get('message', '')))}"
             )
             markers.setdefault((panel, label), []).append(
@@ -428,7 +425,7 @@ def _mark_incidents(
             x=[p[0] for p in points],
             y=[p[1] for p in points],
             mode="markers",
-            name=label.replace("_", " "),
+            name=_plotly_text(label.replace("_", " ")),
             legendgroup=label,
             row=row_of[panel],
             col=1,
@@ -438,14 +435,22 @@ def _mark_incidents(
                 "symbol": "x" if label == "nonfinite" else "diamond",
                 "line": {"width": 1, "color": "#fff"},
             },
-            text=[html.escape(p[2]).replace("&lt;br&gt;", "<br>") for p in points],
+            text=[p[2] for p in points],  # passed as data: the template reads no user text
             hovertemplate="%{text}<extra></extra>",
         )
     for step in nonfinite:
         fig.add_vline(x=step, line={"dash": "dot", "color": "#000000", "width": 1})
 
 
+def _plotly_text(text: str) -> str:
+    """`text` as plotly shows it literally: its pseudo-HTML (`<a href>`, `<br>`, `<span>`, an
+    entity) and a `$...$` it would typeset as LaTeX written as entities, which plotly decodes."""
+    escaped = html.escape(text, quote=False)  # plotly knows &amp; &lt; &gt;, not &quot;
+    return escaped.replace('"', "&#34;").replace("'", "&#39;").replace("$", "&#36;")
+
+
 def _wrap(text: str, width: int = 90) -> str:
+    """`text` escaped for plotly, in lines of about `width` characters (six at most)."""
     words, lines, line = text.split(), [], ""
     for w in words:
         if len(line) + len(w) > width and line:
@@ -453,7 +458,7 @@ def _wrap(text: str, width: int = 90) -> str:
             line = ""
         line = f"{line} {w}".strip()
     lines.append(line)
-    return "<br>".join(lines[:6])
+    return "<br>".join(_plotly_text(line) for line in lines[:6])
 
 
 def _heatmap(record: RunRecord) -> dict[str, Any]:
@@ -472,7 +477,7 @@ def _heatmap(record: RunRecord) -> dict[str, Any]:
     fig = go.Figure(
         go.Heatmap(
             x=steps.tolist(),
-            y=[html.escape(g) for g in record.groups],
+            y=[_plotly_text(g) for g in record.groups],
             z=[[None if not math.isfinite(v) else v for v in row] for row in z.tolist()],
             colorscale="Viridis",
             colorbar={"title": {"text": "log10 norm"}},

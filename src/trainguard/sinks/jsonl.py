@@ -11,6 +11,7 @@ from typing import Any
 
 from trainguard.events import Event, TrainguardError
 from trainguard.line_file import FULL_DISK, LineFile, Report, stderr_report
+from trainguard.run_files import RunFileError
 from trainguard.sinks.base import Sink
 
 
@@ -27,6 +28,8 @@ def _open_lines(path: Path, report: Report) -> LineFile:
     lines = LineFile(path, report)
     try:
         lines.open()
+    except RunFileError:
+        raise  # a link or FIFO planted in the run folder: its own one-line error
     except OSError as exc:
         if exc.errno not in FULL_DISK:
             raise TrainguardError(
