@@ -158,7 +158,7 @@ class Thinner:
             keep = _picked(index // self.stride, rest, self.lowest)
             self.index = np.concatenate([self.index[:cut], index[keep]])
             self.kept = {k: np.concatenate([self.kept[k][:cut], rest[k][keep]]) for k in block}
-        while len(self.index) > self.cap:
+        while len(self.index) > self.cap and self.stride < self.total:  # one run holds all
             self.stride *= 2
             keep = _picked(self.index // self.stride, self.kept, self.lowest)
             self.index = self.index[keep]
