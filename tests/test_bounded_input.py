@@ -267,3 +267,23 @@ def test_a_thinned_metrics_jsonl_keeps_the_precursors_of_its_kept_steps_only(tmp
     data = read_log(tmp_path / "metrics.jsonl")
     assert data.precursors is not None and len(data.precursors) == len(data.steps) <= 1_000
     assert [p is not None for p in data.precursors] == [s % 10 == 0 for s in data.steps]
+
+
+def test_without_locks_a_reused_pid_is_told_by_its_start_time(tmp_path, monkeypatch):
+    """Where the file system cannot lock, the start time the writer recorded tells its pid, now
+    another process's (here: this test's), from the writer."""
+    from trainguard import run_lock
+
+    monkeypatch.setattr(run_lock, "lock_held", lambda fd: None)
+    started = run_lock.start_time(os.getpid())
+    assert started is not None
+    for recorded, alive in ((started, True), (started + 1, False)):
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": recorded}
+        (tmp_path / LOCK_NAME).write_text(json.dumps(record) + "\n")
+        assert local_holder(tmp_path) == (os.getpid(), alive)
+    lock = RunLock.take(tmp_path)
+    assert lock is not None
+    try:
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["started"] == started
+    finally:
+        lock.release()

@@ -72,6 +72,7 @@ class RunLock:
             with contextlib.suppress(OSError):  # a full disk: the lock holds, unsigned
                 os.ftruncate(file.fileno(), 0)
                 holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": _utc_now()}
+                holder["started"] = start_time(os.getpid())  # tells a reused pid apart
                 file.write(json.dumps(holder).encode() + b"\n")
             return cls(path, file)
         holder = _holder(file)
@@ -157,8 +158,9 @@ def local_holder(run_dir: Path) -> tuple[int, bool] | None:
     """The pid a Guard on this host wrote into `run_dir`'s lock and has not released, and whether
     that writer still lives (a run killed before `close()` leaves its pid there; `release`
     empties the file); None when there is none, or it ran on another host. It lives while its
-    pid does and its `flock` is still held (`lock_held`): the kernel drops the lock when the
-    process dies, so a pid that now belongs to another process is not taken for the writer."""
+    pid does, with the start time it recorded (`start_time`), and its `flock` is still held
+    (`lock_held`): the kernel drops the lock when the process dies, so a pid that now belongs to
+    another process is not taken for the writer."""
     try:
         fd = open_regular(run_dir / LOCK_NAME, READ)  # read-only: never made, cut or followed
     except OSError:
@@ -173,7 +175,9 @@ def local_holder(run_dir: Path) -> tuple[int, bool] | None:
         pid = holder.get("pid")
         if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
             return None
-        return pid, _alive(pid) and lock_held(fd) is not False
+        started = holder.get("started")
+        same = started is None or start_time(pid) in (None, started)  # not a reused pid
+        return pid, _alive(pid) and same and lock_held(fd) is not False
     finally:
         os.close(fd)
 
@@ -192,6 +196,17 @@ def lock_held(fd: int) -> bool | None:
     with contextlib.suppress(OSError):
         fcntl.flock(fd, fcntl.LOCK_UN)
     return False
+
+
+def start_time(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (field 22 of /proc/PID/stat): a
+    pid reused by a later process has another; None where there is no /proc (macOS)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read(4096).rsplit(b")", 1)[-1].split()  # the name may hold ") "
+        return int(fields[19])  # field 22, counted after the pid and the name
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _alive(pid: int) -> bool:
