@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from trainguard.run_files import APPEND, RunFileError, open_regular, write_atomically
+from trainguard.run_files import APPEND, RunFileError, open_regular, write_all, write_atomically
 
 Report = Callable[[str], None]
 RETRY_S = 2.0  # a file that failed is tried again at most this often
@@ -159,7 +159,7 @@ class LineFile:
 
     def _append(self, data: bytes, sync: bool) -> None:
         assert self._file is not None
-        _write_all(self._file, data)
+        write_all(self._file, data)
         if sync:
             os.fsync(self._file.fileno())
         self._size += len(data)
@@ -203,16 +203,6 @@ class LineFile:
                 f"{self.path}: closed with {self._dropped_in_failure} line(s) dropped since it "
                 f"last failed ({self.dropped} in all)"
             )
-
-
-def _write_all(file: io.FileIO, data: bytes) -> None:
-    """Write all of `data`, one `write` unless the disk takes only part of it."""
-    view = memoryview(data)
-    while view:
-        written = file.write(view)
-        if not written:
-            raise OSError(errno.EIO, "a write made no progress")
-        view = view[written:]
 
 
 def _end_of_last_line(fd: int, size: int) -> int:

@@ -138,18 +138,23 @@ def write_atomically(
     fd, tmp = create_temporary(path.parent, f".{path.name}.tmp-")
     try:
         with (opener or _file_io)(fd) as f:
-            view = memoryview(data)
-            while view:
-                written = f.write(view)
-                if not written:
-                    raise OSError(errno.EIO, "a write made no progress")
-                view = view[written:]
+            write_all(f, data)
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def write_all(file: io.FileIO, data: bytes) -> None:
+    """Write all of `data`, one `write` unless the disk takes only part of it."""
+    view = memoryview(data)
+    while view:
+        written = file.write(view)
+        if not written:
+            raise OSError(errno.EIO, "a write made no progress")
+        view = view[written:]
 
 
 def _file_io(fd: int) -> io.FileIO:
