@@ -254,8 +254,6 @@ class CheckpointStore:
                     write_atomically(tmp / plain_name(ranks.rank), plain_text.encode())
                 except OSError as exc:  # DCP's collectives must still run on this rank
                     self._fail(step, None, exc)
-            if self.dedup:
-                self._blobs_are_ours()
             future = self._write(tmp, tensors, ranks is None and _no_dist(), step)
         except (Exception, CheckpointException) as exc:
             self._fail(step, tmp if leader else None, exc)
@@ -323,7 +321,8 @@ class CheckpointStore:
 
     def _blobs_are_ours(self) -> bool:
         """Whether the blobs folder is the run's own; said once when it resolves elsewhere (a
-        link to a folder other runs may share): blobs are written there but never deleted."""
+        link planted since the last save's check, to a folder other runs may share): nothing
+        there is collected."""
         elsewhere = foreign_blobs(self.directory)
         if elsewhere is None:
             return True
@@ -331,9 +330,8 @@ class CheckpointStore:
             first, self._foreign_said = not self._foreign_said, True
         if first:
             self._say(
-                f"{self.blobs} resolves to {elsewhere}, outside the run folder: checkpoints "
-                "write their blobs there but never delete any (other runs may use them), so "
-                "unused ones accumulate; make it a plain folder of the run to have them collected"
+                f"{self.blobs} resolves to {elsewhere}, outside the run folder: no blob there is "
+                "deleted (other runs may use them); make it a plain folder of the run"
             )
         return False
 
