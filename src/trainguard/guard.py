@@ -364,6 +364,7 @@ class Guard(Monitor):
         self.global_step += 1
         if decision.action == "step":
             parts.stats.before_optimizer_step(step)
+            self.recovery.before_update()  # the device waits for a snapshot's copy, not the host
             parts.actions.step(signals.loss)
             parts.stats.after_optimizer_step(step)
             events += self._publish(self.recovery.cut_lr(decision))
@@ -373,10 +374,11 @@ class Guard(Monitor):
                     e.metrics.get("action") == "rescale_qk" for e in taken
                 )
                 events += self._publish(taken)
-            self.recovery.maybe_snapshot(self.global_step)
+            self._publish(self.recovery.maybe_snapshot(self.global_step))  # about the run
             self._maybe_checkpoint(checkpoint_due)
         else:
             parts.stats.discard_update()
+            self.recovery.before_update()  # a resync or a restore writes what may be copied
             parts.actions.skip()
             events += self._resync_replicas(decision)
             if decision.action == "rollback":
@@ -401,6 +403,12 @@ class Guard(Monitor):
         if result.action == "halt":
             result = self._halt(result, raise_error=True)
         return result
+
+    def snapshot_barrier(self) -> None:
+        """Call before writing weights or optimizer state outside `optimizer.step()` (an EMA
+        written into the parameters, a manual update): on a GPU a snapshot's copy may still be
+        reading them, and this makes the device wait for it (the host goes on)."""
+        self.recovery.before_update()
 
     def _finish(
         self,

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from trainguard.actions.data import GuardedBatches, sized_skip
+from trainguard.actions.host_memory import local_ranks, rank_budget, size_text
 from trainguard.actions.optimizer_step import OptimizerActions
 from trainguard.actions.quarantine import Quarantine
-from trainguard.actions.snapshots import SnapshotRing, Stateful, budget_interval
+from trainguard.actions.snapshots import SnapshotPlan, SnapshotRing, Stateful, budget_interval
 from trainguard.config import GuardConfig, RecoveryConfig
 from trainguard.detectors import DetectorSuite
 from trainguard.events import Decision, Event, EventKind
@@ -59,6 +60,7 @@ class Recovery:
         self.last_incident = -(10**9)
         self.step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self.snapshot_seconds: float | None = None  # what the last snapshot took
+        self._snapshot_waiting = False  # a snapshot fell due before its memory was pinned
         self.unnamed_suspects: deque[int] = deque(maxlen=64)  # suspects without ids to name them
         self.policy.recovery = self.config
 
@@ -106,35 +108,108 @@ class Recovery:
     # -- snapshots ----------------------------------------------------------------------------
     @property
     def snapshot_interval(self) -> int:
-        """Steps between snapshots: `recovery.snapshot_every`, sized to the run; where the data
-        cannot be rewound and the interval is left to the run, as short as
-        `recovery.snapshot_budget` allows (the last snapshot's cost against the median step
-        time), but long enough that the ring still holds one from before a spike's follow-up."""
+        """Steps between snapshots: `recovery.snapshot_every`, sized to the run, and longer
+        where fewer snapshots fit in memory than `recovery.snapshots` asks for (the ring reaches
+        as far back); where the data cannot be rewound and the interval is left to the run, as
+        short as `recovery.snapshot_budget` allows (the last snapshot's cost against the median
+        step time), but long enough that the ring still holds one from before a spike's
+        follow-up."""
         rec = self.config
         every = rec.snapshot_every or 1
+        slots = self.ring.slots
+        if 2 <= slots < rec.snapshots:  # the same reach back with fewer snapshots
+            every = math.ceil(every * (rec.snapshots - 1) / (slots - 1))
         if self.guard_config.recovery.snapshot_every is not None or self.rewinds_data:
             return every
-        if self.snapshot_seconds is None or not self.step_times or rec.snapshots < 2:
+        if self.snapshot_seconds is None or not self.step_times or slots < 2:
             return every
         reach = self.guard_config.loss_spike.classify_window + rec.sudden_margin
-        shortest = min(every, math.ceil(reach / (rec.snapshots - 1)))
+        shortest = min(every, math.ceil(reach / (slots - 1)))
         step_seconds = statistics.median(self.step_times)
         return budget_interval(
             self.snapshot_seconds, step_seconds, rec.snapshot_budget, shortest, every
         )
 
-    def maybe_snapshot(self, step: int) -> None:
+    def plan_snapshots(self, step: int) -> list[Event]:
+        """Once, after the first update (the optimizer's state exists): size the ring to
+        `recovery.snapshot_memory`, start allocating its host memory, and say how many
+        snapshots fit and what a rollback does where none does."""
+        if not self.config.enabled or self.model is None or self.optimizer is None:
+            return []
+        if self.ring.plan_made is not None:
+            return []
+        setting = self.guard_config.recovery.snapshot_memory
+        budget = rank_budget(setting)
+        plan = self.ring.plan(self.model, self.optimizer, budget)
+        return [self._plan_event(step, plan, setting)]
+
+    def _plan_event(self, step: int, plan: SnapshotPlan, setting: str | int) -> Event:
+        rec = self.config
+        each = size_text(plan.nbytes)
+        ranks = local_ranks()
+        where = f"{setting} of the node's memory" if isinstance(setting, str) else "set"
+        budget = f"budget {size_text(plan.budget)} per rank ({where}"
+        budget += f", {ranks} local ranks)" if ranks > 1 else ")"
+        held = "pinned in the background" if plan.pinned else "in host memory"
+        if plan.slots == plan.wanted:
+            fits = f"all {plan.wanted} fit, every {self.snapshot_interval} steps, {held}"
+        elif plan.slots >= 2:
+            fits = (
+                f"{plan.slots} of {plan.wanted} fit: one every {self.snapshot_interval} steps "
+                f"instead of {rec.snapshot_every}, so that the ring reaches as far back"
+            )
+        elif plan.slots == 1:
+            fits = (
+                f"1 of {plan.wanted} fits: it is taken every {self.snapshot_interval} steps, only "
+                "after as many steps without a warning; an incident that began before it is "
+                "skipped with an LR cut instead of a rollback"
+            )
+        else:
+            fits = "none fits: no in-memory rollback; an incident is skipped with an LR cut"
+        if plan.slots < plan.wanted:
+            fits += f"; a larger recovery.snapshot_memory keeps {plan.wanted}"
+        return Event(
+            step=step,
+            kind=EventKind.SNAPSHOT,
+            severity="info" if plan.slots == plan.wanted else "warning",
+            message=f"snapshots take {each} each on this rank; {budget}: {fits}",
+            metrics={
+                "snapshot_bytes": plan.nbytes,
+                "budget_bytes": plan.budget,
+                "snapshots_wanted": plan.wanted,
+                "snapshots_fit": plan.slots,
+                "snapshot_every": self.snapshot_interval,
+                "pinned": plan.pinned,
+                "local_ranks": ranks,
+            },
+        )
+
+    def maybe_snapshot(self, step: int) -> list[Event]:
         """Before `step` (the next one): keep a snapshot every `snapshot_interval` steps, on
-        schedule whatever was raised before; whether it serves an incident is judged later."""
+        schedule whatever was raised before (with a single slot, only after a healthy window);
+        whether it serves an incident is judged later. A snapshot due before its host memory is
+        pinned comes late (said once), never slow."""
         if not self.config.enabled or self.model is None:
-            return
+            return []
         if self.optimizer is None or self.actions is None:
-            return
+            return []
+        events = self.plan_snapshots(step)
+        if self.ring.slots == 0:
+            return events
         every = self.snapshot_interval
         newest = self.ring.snapshots[-1].step if self.ring.snapshots else None
         due = step % every == 0 if newest is None else step - newest >= every
+        due = due or self._snapshot_waiting
         if not due:
-            return
+            return events
+        if self.ring.slots == 1 and not self.healthy_window(step):
+            return events  # the only snapshot is not replaced by one that may hold the incident
+        if not self.ring.ready:
+            if not self._snapshot_waiting:
+                events.append(self._waiting_event(step))
+            self._snapshot_waiting = True
+            return events
+        self._snapshot_waiting = False
         started = time.perf_counter()
         guard_state = {
             "detectors": self.detectors.state_dict(),
@@ -153,6 +228,25 @@ class Recovery:
             last_warning,
         )
         self.snapshot_seconds = time.perf_counter() - started
+        return events
+
+    def _waiting_event(self, step: int) -> Event:
+        plan = self.ring.plan_made
+        size = size_text(plan.nbytes * plan.slots) if plan is not None else "its memory"
+        return Event(
+            step=step,
+            kind=EventKind.SNAPSHOT,
+            severity="info",
+            message=(
+                f"the snapshot due at step {step} waits for its host memory ({size}) to be "
+                "pinned in the background: it is taken at the first step after"
+            ),
+            metrics={"step": step},
+        )
+
+    def before_update(self) -> None:
+        """Before the optimizer writes the state: wait (on the device) for snapshot copies."""
+        self.ring.before_update()
 
     def set_aside_after(self, step: int | None) -> list[int]:
         """Drop the snapshots taken after `step` (every one with None), which may hold a replica
@@ -175,7 +269,7 @@ class Recovery:
         if snapshot is None or model is None or optimizer is None or actions is None:
             raise RuntimeError("the policy rolled back without a rollback target")
         from_step = decision.step
-        SnapshotRing.restore(snapshot, model, optimizer, self.scheduler, self.scaler)
+        self.ring.restore(snapshot, model, optimizer, self.scheduler, self.scaler)
         # copies: the detectors go on mutating what they load, and a later rollback may return
         # to this same snapshot
         self.detectors.load_state_dict(copy.deepcopy(snapshot.guard["detectors"]))

@@ -4,7 +4,6 @@ with CUDA at its exact size), carved into per-tensor views, and a budget per ran
 from __future__ import annotations
 
 import os
-import re
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -12,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from trainguard.config import parse_memory
 
 ALIGN = 64  # bytes: each view starts on a boundary every dtype and vector copy is happy with
 
@@ -119,49 +120,6 @@ def carve(buffer: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
 
 # -- the budget --------------------------------------------------------------------------------
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_memory(value: str | int | float) -> tuple[float, bool]:
-    """A memory setting as `(amount, is_share)`: "25%" is a share of the node's available memory
-    (0.25, True); "40GB", "12GiB", "512MiB" or a number are bytes (per node). ValueError with
-    what is accepted otherwise."""
-    if isinstance(value, bool):
-        raise ValueError("a memory size must be bytes, a size such as '40GB', or a share '25%'")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError("a memory size cannot be negative")
-        return float(value), False
-    text = value.strip()
-    if text.endswith("%"):
-        try:
-            share = float(text[:-1]) / 100
-        except ValueError:
-            share = -1.0
-        if not 0 <= share <= 1:
-            raise ValueError(f"{value!r}: a share of memory is between '0%' and '100%'")
-        return share, True
-    match = _SIZE.match(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(
-            f"{value!r} is not a memory size: give bytes, a size such as '40GB' or '12GiB', "
-            "or a share of the node's available memory such as '25%'"
-        )
-    return float(match.group(1)) * _UNITS[unit], False
-
 
 def available_bytes() -> int:
     """The node's available memory (MemAvailable on Linux; else its physical memory)."""
@@ -193,7 +151,10 @@ def rank_budget(setting: str | int | float) -> int:
     return int(node // local_ranks())
 
 
-def gib(nbytes: float) -> str:
-    """Bytes as GiB, with sense at every size ("0.003 GiB", "15.8 GiB")."""
-    value = nbytes / 2**30
-    return f"{value:.3g} GiB" if value < 10 else f"{value:.1f} GiB"
+def size_text(nbytes: float) -> str:
+    """Bytes in the unit that reads best: "512 B", "3.2 MiB", "1.96 GiB", "15.8 GiB"."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:.3g} {unit}" if value < 10 else f"{value:.1f} {unit}"
+    return f"{int(nbytes)} B"
