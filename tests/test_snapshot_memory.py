@@ -278,3 +278,25 @@ def test_the_budget_is_split_between_the_ranks_of_a_node(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert host_memory.rank_budget("25%") == 25 * 2**30
     assert host_memory.rank_budget("80GB") == 10e9
+
+
+def test_where_no_snapshot_fits_a_rollback_lands_on_the_known_good_checkpoint(tmp_path):
+    """The same LR burst rolled back from memory and, with no room for a snapshot, from the
+    durable checkpoint of the same step: the same outcome, loss for loss."""
+    results = {}
+    for memory in ("25%", 64):
+        run_dir = tmp_path / str(memory).replace("%", "pct")
+        config = tg.GuardConfig(
+            console=False,
+            recovery={"snapshot_memory": memory, "checkpoint_every": 50},
+        )
+        fault = FAULTS["LR x100 for 10 steps"]
+        out = run_scenario(fault, run_dir=run_dir, steps=300, config=config)
+        rollbacks = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "rollback"]
+        results[memory] = (out.eval_loss, rollbacks)
+    (in_memory, from_memory), (on_disk, from_disk) = results["25%"], results[64]
+    assert [e["metrics"]["to_step"] for e in from_disk] == [250, 250]
+    assert [e["metrics"]["to_step"] for e in from_memory] == [250, 250]
+    assert "durable checkpoint step-250" in from_disk[-1]["message"]
+    assert "durable" not in from_memory[-1]["message"]
+    assert on_disk == in_memory

@@ -149,6 +149,7 @@ class Guard(Monitor):
             self.checkpointing = Checkpointing(
                 store, model, optimizer, scheduler, scaler, self.ranks, self._warn
             )
+            self.recovery.durable = _CheckpointTargets(self.checkpointing, self._check_guard_state)
         self._resume_data: dict[str, Any] | None = None
         self.checkpoint_clock: Callable[[], float] = time.monotonic  # seconds; tests replace it
         self._last_checkpoint_at: float | None = None  # on the clock: the last one, or the start
@@ -683,6 +684,27 @@ class Guard(Monitor):
     def _before_close(self) -> None:
         if self.checkpointing is not None:
             self.checkpointing.wait()
+
+
+class _CheckpointTargets:
+    """The run's known-good checkpoints as rollback targets (`recovery.DurableTarget`)."""
+
+    def __init__(
+        self, checkpointing: Checkpointing, check: Callable[[dict[str, Any]], None]
+    ) -> None:
+        self.checkpointing = checkpointing
+        self.check = check
+
+    def known_good_at_or_before(self, step: int) -> int | None:
+        return self.checkpointing.known_good_at_or_before(step)
+
+    def restore_step(self, step: int) -> dict[str, Any]:
+        self.checkpointing.wait()  # the writer is done with the live state's staged copy
+        return self.checkpointing.restore_step(step, self.check)
+
+    def forget(self, step: int) -> None:
+        """A target that did not load is not offered again."""
+        self.checkpointing.good_steps = [s for s in self.checkpointing.good_steps if s != step]
 
 
 def _shards_state(optimizer: torch.optim.Optimizer) -> bool:

@@ -8,15 +8,22 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from trainguard.actions.checkpoint_files import DamagedCheckpoint
 from trainguard.actions.data import GuardedBatches, sized_skip
 from trainguard.actions.host_memory import local_ranks, rank_budget, size_text
 from trainguard.actions.optimizer_step import OptimizerActions
 from trainguard.actions.quarantine import Quarantine
-from trainguard.actions.snapshots import SnapshotPlan, SnapshotRing, Stateful, budget_interval
+from trainguard.actions.snapshots import (
+    Snapshot,
+    SnapshotPlan,
+    SnapshotRing,
+    Stateful,
+    budget_interval,
+)
 from trainguard.config import GuardConfig, RecoveryConfig
 from trainguard.detectors import DetectorSuite
 from trainguard.events import Decision, Event, EventKind
@@ -25,6 +32,16 @@ from trainguard.policy import StepPolicy
 MAX_BATCH_IDS = 64
 POSITIONS_KEPT = 8192  # steps whose data position is remembered, to map incidents to batches
 STEP_TIMES_KEPT = 32  # recent step times whose median sizes the snapshot interval
+
+
+class DurableTarget(Protocol):
+    """Durable checkpoints as rollback targets, where no snapshot fits in memory."""
+
+    def known_good_at_or_before(self, step: int) -> int | None: ...
+
+    def restore_step(self, step: int) -> dict[str, Any]: ...
+
+    def forget(self, step: int) -> None: ...
 
 
 class Recovery:
@@ -63,6 +80,7 @@ class Recovery:
         self._snapshot_waiting = False  # a snapshot fell due before its memory was pinned
         self.unnamed_suspects: deque[int] = deque(maxlen=64)  # suspects without ids to name them
         self.policy.recovery = self.config
+        self.durable: DurableTarget | None = None  # checkpoints, where no snapshot fits
 
     def size_to_data(self, batches: GuardedBatches) -> None:
         """Use `batches` for rewinds; a source with a `len()` sizes the recovery when
@@ -103,7 +121,22 @@ class Recovery:
     def has_target(self, incident: int) -> bool:
         """Whether a snapshot lies at or before the first step of an incident (for the policy)."""
         rec = self.config
-        return rec.enabled and self.ring.target_for(incident, rec.rollback_margin) is not None
+        if not rec.enabled:
+            return False
+        if self.ring.target_for(incident, rec.rollback_margin) is not None:
+            return True
+        return self._durable_step(incident, rec.rollback_margin) is not None
+
+    def _durable_step(self, incident: int, margin: int) -> int | None:
+        """Where no snapshot fits in memory: the newest known-good durable checkpoint at least
+        `margin` steps before the incident, else at or before its first step."""
+        if self.durable is None or self.ring.plan_made is None or self.ring.slots > 0:
+            return None
+        for limit in (incident - margin, incident):
+            found = self.durable.known_good_at_or_before(limit)
+            if found is not None:
+                return found
+        return None
 
     # -- snapshots ----------------------------------------------------------------------------
     @property
@@ -165,7 +198,12 @@ class Recovery:
                 "skipped with an LR cut instead of a rollback"
             )
         else:
-            fits = "none fits: no in-memory rollback; an incident is skipped with an LR cut"
+            fits = "none fits: no in-memory rollback; " + (
+                "an incident that calls for one rolls back to the newest durable checkpoint "
+                "taken in a healthy window, else is skipped with an LR cut"
+                if self.durable is not None
+                else "an incident is skipped with an LR cut (no run_dir: no durable checkpoint)"
+            )
         if plan.slots < plan.wanted:
             fits += f"; a larger recovery.snapshot_memory keeps {plan.wanted}"
         return Event(
@@ -266,10 +304,19 @@ class Recovery:
         rollback_to = decision.rollback_to if decision.rollback_to is not None else decision.step
         start = incident if incident is not None else rollback_to
         snapshot = self.ring.target_for(start, start - rollback_to)
+        durable = None
+        if snapshot is None and model is not None and actions is not None:
+            durable = self._durable_step(start, start - rollback_to)
+            if durable is not None:
+                try:
+                    snapshot = self._restore_durable(durable, actions)
+                except DamagedCheckpoint as exc:  # nothing live was touched
+                    return decision.step + 1, self._durable_failed(decision, durable, exc)
         if snapshot is None or model is None or optimizer is None or actions is None:
             raise RuntimeError("the policy rolled back without a rollback target")
         from_step = decision.step
-        self.ring.restore(snapshot, model, optimizer, self.scheduler, self.scaler)
+        if durable is None:
+            self.ring.restore(snapshot, model, optimizer, self.scheduler, self.scaler)
         # copies: the detectors go on mutating what they load, and a later rollback may return
         # to this same snapshot
         self.detectors.load_state_dict(copy.deepcopy(snapshot.guard["detectors"]))
@@ -307,6 +354,11 @@ class Recovery:
             )
         if snapshot.last_warning is not None:
             note += f" (taken after a warning at step {snapshot.last_warning}, judged since)"
+        if durable is not None:
+            note += (
+                f"; restored from the durable checkpoint step-{durable}, taken in a healthy "
+                "window (no snapshot fits in recovery.snapshot_memory)"
+            )
         lr = (
             f"LR kept at x{actions.lr_scale:.3g} of the schedule (a sudden "
             "incident undone; a repeat cuts it)"
@@ -340,6 +392,48 @@ class Recovery:
             action="rollback",
         )
         return snapshot.step, [event] if skip_event is None else [event, skip_event]
+
+    def _durable_failed(self, decision: Decision, step: int, exc: DamagedCheckpoint) -> list[Event]:
+        """A checkpoint rollback whose target does not load: never tried again; the LR is cut
+        instead, as where no target exists."""
+        if self.durable is not None:
+            self.durable.forget(step)
+        factor = decision.lr_factor or 1.0
+        events = [
+            Event(
+                step=decision.step,
+                kind=EventKind.ROLLBACK_UNAVAILABLE,
+                severity="warning",
+                message=(
+                    f"the rollback target, the checkpoint of step {step}, cannot be loaded "
+                    f"({exc}); training goes on with the LR x{factor:.3g}"
+                ),
+                metrics={"incident_step": decision.incident_step, "checkpoint_step": step},
+                action="rollback",
+            )
+        ]
+        if self.actions is not None and decision.lr_factor is not None:
+            self.actions.cut_lr(factor, decision.rewarm_steps)
+        return events
+
+    def _restore_durable(self, step: int, actions: OptimizerActions) -> Snapshot:
+        """Load the known-good checkpoint of `step` into the live objects; what a snapshot of it
+        would hold for the rest of the rollback (detectors, the schedule's LRs, data)."""
+        assert self.durable is not None
+        plain = self.durable.restore_step(step)
+        guard = plain["guard"]
+        saved = (guard.get("actions") or {}).get("schedule_lrs")
+        lrs = saved if saved is not None else actions.schedule_lrs()
+        return Snapshot(
+            step=step,
+            model={},
+            optimizer={},
+            scheduler=None,
+            scaler=None,
+            rng={},
+            guard={"detectors": guard["detectors"], "schedule_lrs": lrs},
+            data_position=plain.get("data"),
+        )
 
     def _skip_after(self, decision: Decision, position: int) -> tuple[tuple[int, int], Event]:
         """The positions a rollback skips, the incident batch and a share of what is left (never
