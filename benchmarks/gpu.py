@@ -49,6 +49,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -93,7 +94,7 @@ SIZES = {
     "1.3B": Shape("1.3B", 24, 2048, 16, 50257, 2048, 4, steps=90, snapshot_every=30),
 }
 SMOKE = {  # the same roles, tiny: the script's every path on the CPU in seconds
-    "19M": Shape("tiny-a", 2, 64, 2, 256, 64, 4, steps=40, snapshot_every=10, block=5),
+    "19M": Shape("tiny-a", 2, 64, 2, 256, 64, 4, steps=20, snapshot_every=10, block=5),
     "124M": Shape("tiny-b", 2, 96, 2, 256, 64, 4, steps=20, snapshot_every=10, block=5),
     "1.3B": Shape("tiny-c", 3, 128, 4, 512, 64, 4, steps=20, snapshot_every=10, block=5),
 }
@@ -536,6 +537,41 @@ def checkpoints(s: Shape, device: torch.device, every: int, tmp: str | None) -> 
 
 
 # -- section 4: blocking syncs per step ----------------------------------------------------------
+class Waits:
+    """Counts the host waits made through torch.cuda's Python API while a step runs: device-wide
+    `torch.cuda.synchronize()` (which `set_sync_debug_mode` does not report), and
+    `Event.synchronize()` / `Stream.synchronize()`, on the training thread and on others (the
+    checkpoint writer's) apart."""
+
+    def _targets(self) -> list[tuple[str, Any]]:
+        return [("device", torch.cuda), ("event", torch.cuda.Event), ("stream", torch.cuda.Stream)]
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[dict[str, int]]:
+        counts = {"device": 0, "event": 0, "stream": 0, "other_threads": 0}
+        training = threading.current_thread()
+        saved = []
+        for name, owner in self._targets():
+            original = owner.__dict__.get("synchronize")
+            if original is None:  # not this torch's layout: not counted
+                continue
+            saved.append((owner, original))
+
+            def wrapper(*args: Any, _name: str = name, _fn: Any = original, **kw: Any) -> Any:
+                if threading.current_thread() is training:
+                    counts[_name] += 1
+                else:
+                    counts["other_threads"] += 1
+                return _fn(*args, **kw)
+
+            owner.synchronize = wrapper
+        try:
+            yield counts
+        finally:
+            for owner, original in saved:
+                owner.synchronize = original
+
+
 def syncs(s: Shape, device: torch.device, total: int) -> dict[str, Any]:
     snapshot_every, checkpoint_every = 15, 25
     batches = pool(s, device)
@@ -550,22 +586,24 @@ def syncs(s: Shape, device: torch.device, total: int) -> dict[str, Any]:
     cfg = guard.config
     stats_every = cfg.stats_every
     probe_every = cfg.precursors.every if cfg.precursors.enabled else 0
-    counting = device.type == "cuda"
+    debug_mode = device.type == "cuda"
+    waits = Waits()
     per_step: list[dict[str, Any]] = []
 
-    def counted(fn: Callable[[torch.Tensor, torch.Tensor], None], batch: Batch) -> int | None:
-        """`fn(*batch)`, and the blocking syncs it made (None where they cannot be counted)."""
-        if not counting:
-            fn(*batch)
-            return None
-        with warnings.catch_warnings(record=True) as caught:
+    def counted(fn: Callable[[torch.Tensor, torch.Tensor], None], batch: Batch) -> dict[str, Any]:
+        """`fn(*batch)`, and the syncs it made: those `set_sync_debug_mode` warns of (None off
+        CUDA) and the explicit waits."""
+        with waits.counting() as counts, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
+            if debug_mode:
+                torch.cuda.set_sync_debug_mode("warn")
             try:
                 fn(*batch)
             finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum(SYNC_WORDS in str(w.message) for w in caught)
+                if debug_mode:
+                    torch.cuda.set_sync_debug_mode("default")
+        warned = sum(SYNC_WORDS in str(w.message) for w in caught) if debug_mode else None
+        return {"syncs": warned, **counts}
 
     def guarded(x: torch.Tensor, y: torch.Tensor) -> None:
         loss = loss_of(model, x, y, device)
@@ -593,12 +631,11 @@ def syncs(s: Shape, device: torch.device, total: int) -> dict[str, Any]:
             kind = "sampled"
         else:
             kind = "ordinary"
-        per_step.append({"step": index, "kind": kind, "syncs": n})
+        per_step.append({"step": index, "kind": kind, **n})
     guard.close()
 
     plain_model, plain_opt = build(s, device)
     plain_params = list(plain_model.parameters())
-    plain_counts: list[int | None] = []
 
     def plain(x: torch.Tensor, y: torch.Tensor) -> None:
         loss = loss_of(plain_model, x, y, device)
@@ -607,30 +644,27 @@ def syncs(s: Shape, device: torch.device, total: int) -> dict[str, Any]:
         plain_opt.step()
         plain_opt.zero_grad(set_to_none=True)
 
-    for i in range(20):
-        plain_counts.append(counted(plain, batches[i % len(batches)]))
+    for i in range(22):  # the first two are not counted (Adam's state is made)
+        n = counted(plain, batches[i % len(batches)])
+        per_step.append({"step": i, "kind": "plain" if i >= 2 else "plain first", **n})
     shutil.rmtree(run_dir, ignore_errors=True)
 
     summary: dict[str, Any] = {}
-    for kind in ("first", "ordinary", "sampled", "snapshot", "checkpoint"):
-        counts = [r["syncs"] for r in per_step if r["kind"] == kind and r["syncs"] is not None]
-        steps = sum(1 for r in per_step if r["kind"] == kind)
-        summary[kind] = {
-            "steps": steps,
-            "mean": sum(counts) / len(counts) if counts else None,
-            "max": max(counts) if counts else None,
-        }
-    plain_known = [c for c in plain_counts[2:] if c is not None]
-    summary["plain"] = {
-        "steps": len(plain_counts) - 2,
-        "mean": sum(plain_known) / len(plain_known) if plain_known else None,
-        "max": max(plain_known) if plain_known else None,
-    }
+    for kind in ("first", "ordinary", "sampled", "snapshot", "checkpoint", "plain"):
+        rows = [r for r in per_step if r["kind"] == kind]
+        summary[kind] = {"steps": len(rows)}
+        for what in ("syncs", "device", "event", "stream", "other_threads"):
+            counts = [r[what] for r in rows if r[what] is not None]
+            summary[kind][what] = (
+                {"mean": sum(counts) / len(counts), "max": max(counts)} if counts else None
+            )
     return {
         "size": s.name,
-        "counted": counting,
+        "counted": debug_mode,
         "stats_every": stats_every,
         "precursors_every": probe_every,
+        "snapshot_every": snapshot_every,
+        "checkpoint_every": checkpoint_every,
         "summary": summary,
         "per_step": per_step,
     }
@@ -721,18 +755,38 @@ def report(result: dict[str, Any]) -> str:
     if sy:
         if "error" in sy:
             lines.append(f"Blocking syncs: error: {sy['error']}")
-        elif not sy["counted"]:
-            lines.append("Blocking syncs: not counted (needs CUDA); the loop ran.")
         else:
-            parts = ", ".join(
-                f"{kind} {v['mean']:.2f} (max {v['max']}, {v['steps']} steps)"
-                for kind, v in sy["summary"].items()
-                if v["mean"] is not None
-            )
-            lines.append(
-                f"Blocking syncs per step at {sy['size']} (`set_sync_debug_mode('warn')`, "
-                f"mean): {parts}."
-            )
+            lines += [
+                f"Syncs per step at {sy['size']} (snapshot every {sy['snapshot_every']}, "
+                f"checkpoint every {sy['checkpoint_every']}; mean, max in brackets): blocking "
+                "syncs `set_sync_debug_mode('warn')` reports, and the waits it does not: "
+                "`torch.cuda.synchronize()`, `Event`/`Stream.synchronize()` on the training "
+                "thread, and any of them on other threads.",
+                "",
+                "| steps | count | set_sync_debug_mode | torch.cuda.synchronize "
+                "| Event/Stream.synchronize | on other threads |",
+                "| --- | --- | --- | --- | --- | --- |",
+            ]
+
+            def cell(v: dict[str, Any] | None) -> str:
+                return "-" if v is None else f"{v['mean']:.2f} ({v['max']})"
+
+            for kind, v in sy["summary"].items():
+                if not v["steps"]:
+                    continue
+                waits = None
+                if v["event"] is not None and v["stream"] is not None:
+                    waits = {
+                        "mean": v["event"]["mean"] + v["stream"]["mean"],
+                        "max": v["event"]["max"] + v["stream"]["max"],
+                    }
+                lines.append(
+                    f"| {kind} | {v['steps']} | {cell(v['syncs'])} | {cell(v['device'])} "
+                    f"| {cell(waits)} | {cell(v['other_threads'])} |"
+                )
+            if not sy["counted"]:
+                lines.append("")
+                lines.append("`set_sync_debug_mode` needs CUDA: not counted here.")
         lines.append("")
     targets = result["targets"]
     lines.append(
@@ -808,7 +862,7 @@ def main() -> None:
     smallest, largest = shapes[names[0]], shapes[names[-1]]
     if "syncs" not in skip:
         result["syncs"] = guarded(
-            f"syncs {smallest.name}", lambda: syncs(smallest, device, 40 if args.smoke else 60)
+            f"syncs {smallest.name}", lambda: syncs(smallest, device, 30 if args.smoke else 60)
         )
     reserve = 0.0 if "checkpoints" in skip or args.smoke else 100.0  # for the checkpoints
     for size in names:
