@@ -521,6 +521,7 @@ def checkpoints(s: Shape, device: torch.device, every: int, tmp: str | None) -> 
     return {
         "size": s.name,
         "checkpoint_every": every,
+        "disk_free_bytes_before": free,
         "median_step_s": median,
         "checkpoints": rows,
         "saved_steps": saved,
@@ -860,10 +861,42 @@ def main() -> None:
             free_memory(device)
 
     smallest, largest = shapes[names[0]], shapes[names[-1]]
+    out = os.environ.get("OUT")
+
+    def finish() -> str:
+        """Targets and the summary of what has run so far, written to $OUT after each section
+        (a run stopped by a time limit still leaves what it measured)."""
+        result["seconds"] = time.monotonic() - started
+        result["errors"] = errors
+        ckpt = result.get("checkpoints", {})
+        ckpt_blocked = [
+            r["blocked_s"]
+            for r in ckpt.get("checkpoints", [])
+            if r["on_disk"] and r["blocked_s"] is not None
+        ]
+        overheads = [r for r in result["overhead"].values() if "error" not in r]
+        result["targets"] = {
+            f"{largest.name} snapshot <= {TARGET_SNAPSHOT_S} s": met(
+                result.get("snapshot", {}).get("worst_blocked_s"), TARGET_SNAPSHOT_S
+            ),
+            f"{largest.name} checkpoint <= {TARGET_CHECKPOINT_S} s": met(
+                max(ckpt_blocked, default=None), TARGET_CHECKPOINT_S
+            ),
+            f"whole-run ratio within {TARGET_RATIO_GAP} of the median ratio": (
+                all(r["target_ratio_gap_met"] for r in overheads) if overheads else None
+            ),
+        }
+        table = report(result)
+        if out:
+            Path(out, "gpu.json").write_text(json.dumps(result, indent=1, default=str))
+            Path(out, "gpu.md").write_text(table + "\n")
+        return table
+
     if "syncs" not in skip:
         result["syncs"] = guarded(
             f"syncs {smallest.name}", lambda: syncs(smallest, device, 30 if args.smoke else 60)
         )
+        finish()
     reserve = 0.0 if "checkpoints" in skip or args.smoke else 100.0  # for the checkpoints
     for size in names:
         s = shapes[size]
@@ -872,6 +905,7 @@ def main() -> None:
             f"overhead {s.name}",
             functools.partial(overhead, s, device, steps, deadline - reserve),
         )
+        finish()
     big = result["overhead"].get(names[-1], {})
     if "error" not in big:
         snaps = big["snapshots_measured"]
@@ -889,39 +923,16 @@ def main() -> None:
     else:
         result["snapshot"] = big
     if "checkpoints" not in skip:
-        free = shutil.disk_usage(args.tmp or tempfile.gettempdir()).free
-        result["disk_free_bytes"] = free
         result["checkpoints"] = guarded(
             f"checkpoints {largest.name}", lambda: checkpoints(largest, device, every, args.tmp)
         )
-    result["seconds"] = time.monotonic() - started
-    result["errors"] = errors
-
-    def met(value: float | None, limit: float) -> bool | None:
-        return None if value is None else value <= limit
-
-    ckpt = result.get("checkpoints", {})
-    ckpt_blocked = [r["blocked_s"] for r in ckpt.get("checkpoints", []) if r["on_disk"]]
-    result["targets"] = {
-        f"{largest.name} snapshot <= {TARGET_SNAPSHOT_S} s": met(
-            result["snapshot"].get("worst_blocked_s"), TARGET_SNAPSHOT_S
-        ),
-        f"{largest.name} checkpoint <= {TARGET_CHECKPOINT_S} s": met(
-            max((b for b in ckpt_blocked if b is not None), default=None), TARGET_CHECKPOINT_S
-        ),
-        f"whole-run ratio within {TARGET_RATIO_GAP} of the median ratio": (
-            all(r.get("target_ratio_gap_met", False) for r in result["overhead"].values())
-            if result["overhead"]
-            else None
-        ),
-    }
-    table = report(result)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "gpu.json").write_text(json.dumps(result, indent=1, default=str))
-        Path(out, "gpu.md").write_text(table + "\n")
+    table = finish()
     print()
     print(table, flush=True)
+
+
+def met(value: float | None, limit: float) -> bool | None:
+    return None if value is None else value <= limit
 
 
 if __name__ == "__main__":
