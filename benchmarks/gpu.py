@@ -91,7 +91,7 @@ class Shape:
 SIZES = {
     "19M": Shape("19M", 6, 384, 6, 10240, 512, 16, steps=400, snapshot_every=50),
     "124M": Shape("124M", 12, 768, 12, 50257, 1024, 16, steps=300, snapshot_every=50),
-    "1.3B": Shape("1.3B", 24, 2048, 16, 50257, 2048, 4, steps=90, snapshot_every=30),
+    "1.3B": Shape("1.3B", 24, 2048, 16, 50257, 2048, 4, steps=120, snapshot_every=30),
 }
 SMOKE = {  # the same roles, tiny: the script's every path on the CPU in seconds
     "19M": Shape("tiny-a", 2, 64, 2, 256, 64, 4, steps=20, snapshot_every=10, block=5),
