@@ -20,9 +20,15 @@ that a failure in one still prints the others:
    (dedup on, the default; snapshots moved out of the window), two checkpoints 30 steps apart,
    the blocked time of each the same way, whether either was deferred (events), and the time
    `guard.close()` waits for the last write.
-4. Blocking syncs per step at the smallest size: `torch.cuda.set_sync_debug_mode("warn")`, the
-   warnings counted step by step and split into ordinary, sampled (`stats_every`, precursors),
-   snapshot and checkpoint steps; the plain loop beside it (CUDA only).
+4. Syncs per step at the smallest size: the warnings of `torch.cuda.set_sync_debug_mode("warn")`
+   (CUDA only), and the waits it does not report, `torch.cuda.synchronize()` and
+   `Event`/`Stream.synchronize()` (on the training thread; other threads apart), counted step by
+   step and split into ordinary, sampled (`stats_every`, precursors), snapshot and checkpoint
+   steps; the plain loop beside it.
+
+A snapshot or checkpoint "of step k" holds the state before step k (as the guard names them):
+it was taken inside the `guard.step` call of index k - 1 ("call", `guard.global_step` before
+it), and its blocked time is that of calls k - 2, k - 1 and k, less 3 medians.
 
 Targets (issue 35): a 1.3B snapshot blocks <= 0.5 s, a 1.3B checkpoint <= 1 s, and with
 defaults the whole-run ratio within 0.01 of the median ratio of steps without a snapshot.
@@ -313,6 +319,7 @@ def overhead(s: Shape, device: torch.device, steps: int, stop_at: float) -> dict
     counter = {"plain": 0}
     actions: dict[str, int] = {}
     snapshot_at: list[int] = []  # guard step indices (0-based) whose guard.step took one
+    snapshot_step: dict[int, int] = {}  # that index -> the snapshot's step (the state before it)
     ring_readable = newest_snapshot(guard) is not None
 
     def plain_step() -> None:
@@ -333,11 +340,14 @@ def overhead(s: Shape, device: torch.device, steps: int, stop_at: float) -> dict
         decision = guard.step(loss)
         guard_opt.zero_grad(set_to_none=True)
         actions[decision.action] = actions.get(decision.action, 0) + 1
+        after = newest_snapshot(guard)
         if ring_readable:
-            if newest_snapshot(guard) != before:
+            if after != before and after is not None:
                 snapshot_at.append(index)
+                snapshot_step[index] = after
         elif (index + 1) % guard.snapshot_interval == 0:
             snapshot_at.append(index)
+            snapshot_step[index] = index + 1
 
     timer = Timer(device)
     variants: dict[str, Callable[[], None]] = {"plain": plain_step, "guard": guard_step}
@@ -397,7 +407,8 @@ def overhead(s: Shape, device: torch.device, steps: int, stop_at: float) -> dict
     ratio_steps = guard_median / plain_median
     snapshot_rows = [
         {
-            "step": warm + p,
+            "snapshot_step": snapshot_step[warm + p],
+            "call": warm + p,
             "step_time_s": g_times[p],
             "next_step_time_s": g_times[p + 1] if p + 1 < len(g_times) else None,
             "blocked_s": blocked(g_times, p, guard_median),
@@ -510,6 +521,7 @@ def checkpoints(s: Shape, device: torch.device, every: int, tmp: str | None) -> 
         rows.append(
             {
                 "checkpoint_step": k,
+                "call": k - 1,
                 "planned": k in planned,
                 "on_disk": k in saved,
                 "step_time_s": times[p] if 0 <= p < len(times) else None,
@@ -529,7 +541,7 @@ def checkpoints(s: Shape, device: torch.device, every: int, tmp: str | None) -> 
         "deferral_events": deferred,
         "close_waits_s": close_s,
         "run_dir_bytes": disk,
-        "slowest_steps": [{"step": warm + i, "time_s": times[i]} for i in slowest],
+        "slowest_calls": [{"call": warm + i, "time_s": times[i]} for i in slowest],
         "warmup_step_times_s": warm_times,
         "guard_actions": actions,
         "events": events,
@@ -711,8 +723,8 @@ def report(result: dict[str, Any]) -> str:
             lines.append(f"Snapshot blocking: error: {snap['error']}")
         else:
             each = ", ".join(
-                f"step {r['step']}: {sec(r['blocked_s'])} s (step {ms(r['step_time_s'])} ms, "
-                f"next {ms(r['next_step_time_s'])} ms)"
+                f"of step {r['snapshot_step']}: {sec(r['blocked_s'])} s (its call "
+                f"{ms(r['step_time_s'])} ms, the next {ms(r['next_step_time_s'])} ms)"
                 for r in snap["snapshots"]
             )
             lines.append(
@@ -733,7 +745,7 @@ def report(result: dict[str, Any]) -> str:
             lines.append(f"Checkpoint blocking: error: {ckpt['error']}")
         else:
             each = ", ".join(
-                f"step {r['checkpoint_step']}: {sec(r['blocked_s'])} s"
+                f"of step {r['checkpoint_step']}: {sec(r['blocked_s'])} s"
                 + ("" if r["on_disk"] else " (not on disk)")
                 for r in ckpt["checkpoints"]
             )
@@ -742,8 +754,8 @@ def report(result: dict[str, Any]) -> str:
                 f"dedup on (target <= {TARGET_CHECKPOINT_S} s each): {each}; median step "
                 f"{ms(ckpt['median_step_s'])} ms; deferred: {'yes' if ckpt['deferred'] else 'no'}; "
                 f"close() waited {sec(ckpt['close_waits_s'])} s for the last write; slowest "
-                "steps: "
-                + ", ".join(f"{r['step']} ({ms(r['time_s'])} ms)" for r in ckpt["slowest_steps"])
+                "calls: "
+                + ", ".join(f"{r['call']} ({ms(r['time_s'])} ms)" for r in ckpt["slowest_calls"])
                 + "."
             )
             for event in ckpt["events"]:

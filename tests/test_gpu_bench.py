@@ -41,10 +41,15 @@ def test_smoke_run_reports_every_section(tmp_path, monkeypatch):
     overhead = result["overhead"]["19M"]
     assert overhead["steps_per_variant"] == 10
     assert overhead["snapshots_detected_by"] == "ring"
-    assert [r["step"] for r in overhead["snapshots_measured"]] == [9]  # mid-block, measured
+    snapshots = overhead["snapshots_measured"]
+    assert [(r["snapshot_step"], r["call"]) for r in snapshots] == [(10, 9)]  # mid-block
     assert result["snapshot"]["worst_blocked_s"] is not None
     checkpoints = result["checkpoints"]
     assert checkpoints["saved_steps"] == [10, 20]
+    assert [(r["checkpoint_step"], r["call"]) for r in checkpoints["checkpoints"]] == [
+        (10, 9),
+        (20, 19),
+    ]
     assert all(r["on_disk"] and r["blocked_s"] is not None for r in checkpoints["checkpoints"])
     summary = result["syncs"]["summary"]
     assert summary["snapshot"]["steps"] == 2 and summary["checkpoint"]["steps"] == 1
