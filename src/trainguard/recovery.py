@@ -248,6 +248,9 @@ class Recovery:
             self._snapshot_waiting = True
             return events
         self._snapshot_waiting = False
+        events += self._pinning_failed(step)
+        if self.ring.slots == 0:
+            return events
         started = time.perf_counter()
         guard_state = {
             "detectors": self.detectors.state_dict(),
@@ -267,6 +270,27 @@ class Recovery:
         )
         self.snapshot_seconds = time.perf_counter() - started
         return events
+
+    def _pinning_failed(self, step: int) -> list[Event]:
+        """Said once: the background pinning stopped short, and how many snapshots it left."""
+        pool = self.ring.pool
+        if pool is None or pool.error is None:
+            return []
+        error, pool.error = pool.error, None
+        return [
+            Event(
+                step=step,
+                kind=EventKind.SNAPSHOT,
+                severity="warning",
+                message=(
+                    f"pinning host memory for snapshots stopped ({error}); "
+                    f"{len(pool.slots)} snapshot(s) kept instead of "
+                    f"{self.ring.plan_made.slots if self.ring.plan_made else '?'}: lower "
+                    "recovery.snapshot_memory"
+                ),
+                metrics={"snapshots_fit": len(pool.slots)},
+            )
+        ]
 
     def _waiting_event(self, step: int) -> Event:
         plan = self.ring.plan_made
