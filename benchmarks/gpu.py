@@ -69,6 +69,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import trainguard as tg
+from _common import Block
 
 TARGET_SNAPSHOT_S = 0.5
 TARGET_CHECKPOINT_S = 1.0
@@ -104,40 +105,6 @@ SMOKE = {  # the same roles, tiny: the script's every path on the CPU in seconds
     "124M": Shape("tiny-b", 2, 96, 2, 256, 64, 4, steps=20, snapshot_every=10, block=5),
     "1.3B": Shape("tiny-c", 3, 128, 4, 512, 64, 4, steps=20, snapshot_every=10, block=5),
 }
-
-
-class Attention(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.v_proj = nn.Linear(d, d, bias=False)
-        self.o_proj = nn.Linear(d, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = (
-            p(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
-            for p in (self.q_proj, self.k_proj, self.v_proj)
-        )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out: torch.Tensor = self.o_proj(y.transpose(1, 2).reshape(b, t, c))
-        return out
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d)
-        self.attn = Attention(d, heads)
-        self.ln2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        out: torch.Tensor = x + self.mlp(self.ln2(x))
-        return out
 
 
 class GPT(nn.Module):
