@@ -108,7 +108,11 @@ class Checkpointing:
         """The step of the newest complete checkpoint this run took in a healthy window at or
         before `step` (a rollback target where no snapshot fits in memory), or None."""
         for good in reversed(self.good_steps):
-            if good <= step and (self.store.directory / f"step-{good}" / "manifest.json").is_file():
+            if good > step:
+                continue
+            if (self.store.directory / f"step-{good}" / "manifest.json").is_file():
+                return good
+            if good == self.good_steps[-1] and self.store.writing:  # done before it is read
                 return good
         return None
 
