@@ -300,3 +300,32 @@ def test_where_no_snapshot_fits_a_rollback_lands_on_the_known_good_checkpoint(tm
     assert "durable checkpoint step-250" in from_disk[-1]["message"]
     assert "durable" not in from_memory[-1]["message"]
     assert on_disk == in_memory
+
+
+def test_a_pinning_that_leaves_no_slot_is_said(tmp_path, monkeypatch):
+    def refused(nbytes: int, pinned: bool) -> torch.Tensor:
+        raise MemoryError("pinning refused")
+
+    monkeypatch.setattr(host_memory, "allocate", refused)
+    monkeypatch.setattr(snapshots, "_wants_pinning", lambda tensors: True)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: object())
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = tg.GuardConfig(console=False, recovery={"snapshot_every": 5})
+    guard = tg.Guard(model, opt, config=config, run_dir=tmp_path)
+    x = torch.randn(16, 4)
+    for _ in range(8):
+        while guard.ring.pool is not None and not guard.ring.ready:
+            threading.Event().wait(0.01)
+        model(x).pow(2).mean().backward()
+        guard.step(model(x).pow(2).mean().detach())
+        opt.zero_grad()
+    guard.close()
+    assert guard.ring.slots == 0 and not guard.ring.snapshots
+    stopped = [
+        e
+        for e in read_jsonl(tmp_path / "events.jsonl")
+        if e["kind"] == "snapshot" and "stopped" in e["message"]
+    ]
+    assert len(stopped) == 1 and stopped[0]["metrics"]["snapshots_fit"] == 0

@@ -232,6 +232,8 @@ class Recovery:
         if self.optimizer is None or self.actions is None:
             return []
         events = self.plan_snapshots(step)
+        if self.ring.ready:  # a pinning that stopped short is said, even where it left none
+            events += self._pinning_failed(step)
         if self.ring.slots == 0:
             return events
         every = self.snapshot_interval
@@ -248,7 +250,7 @@ class Recovery:
             self._snapshot_waiting = True
             return events
         self._snapshot_waiting = False
-        events += self._pinning_failed(step)
+        events += self._pinning_failed(step)  # pinned since the check above
         if self.ring.slots == 0:
             return events
         started = time.perf_counter()

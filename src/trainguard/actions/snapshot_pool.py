@@ -128,6 +128,10 @@ class SnapshotPool:
         if slot.layout == layout:
             return slot.views
         if slot.buffer is None or slot.buffer.numel() < layout.nbytes:
+            # the old buffer is unregistered and freed when dropped (its finalizer runs when the
+            # tensor object dies, whatever views remain): no copy may still be writing it
+            slot.wait_host()
+            slot.copied, slot.sources = None, None
             slot.views = []
             slot.buffer = None  # freed before the larger one is made
             slot.buffer = host_memory.allocate(layout.nbytes, self.pinned)
