@@ -260,16 +260,20 @@ class Recovery:
         }
         position = self.batches.state() if self.batches is not None else None
         last_warning = None if self.healthy_window(step) else self.last_incident
-        self.ring.take(
-            step,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.scaler,
-            guard_state,
-            position,
-            last_warning,
-        )
+        try:
+            self.ring.take(
+                step,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.scaler,
+                guard_state,
+                position,
+                last_warning,
+            )
+        except MemoryError as exc:  # a state that outgrew its slot, and no memory for more
+            events.append(self._take_failed(step, exc))
+            return events
         self.snapshot_seconds = time.perf_counter() - started
         return events
 
@@ -293,6 +297,20 @@ class Recovery:
                 metrics={"snapshots_fit": len(pool.slots)},
             )
         ]
+
+    def _take_failed(self, step: int, exc: MemoryError) -> Event:
+        """The snapshot of `step` could not be taken (the state grew past its buffer, and a
+        larger one could not be made): the older ones stay the rollback targets."""
+        return Event(
+            step=step,
+            kind=EventKind.SNAPSHOT,
+            severity="warning",
+            message=(
+                f"the snapshot of step {step} was not taken ({exc}); the "
+                f"{len(self.ring.snapshots)} older one(s) stay the rollback targets"
+            ),
+            metrics={"step": step},
+        )
 
     def _waiting_event(self, step: int) -> Event:
         plan = self.ring.plan_made

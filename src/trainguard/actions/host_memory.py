@@ -14,6 +14,7 @@ import torch
 
 from trainguard.config import parse_memory
 
+PAGE = 4096  # bytes: pinned buffers are whole pages of their own
 ALIGN = 64  # bytes: each view starts on a boundary every dtype and vector copy is happy with
 
 
@@ -89,23 +90,31 @@ def _unpin(address: int, nbytes: int) -> None:
 
 
 def allocate(nbytes: int, pinned: bool) -> torch.Tensor:
-    """A host buffer of exactly `nbytes` (uint8), first touched, and pinned when asked: registered
-    with CUDA at its own size (no rounding to a power of two, no lock of the caching host
-    allocator), and unregistered when it is freed. This is the only place trainguard allocates
-    host memory for copies of device state, so that tests can count it."""
-    buffer = torch.zeros(max(nbytes, 1), dtype=torch.uint8)  # zeros: the pages are touched here
+    """A host buffer of `nbytes` (uint8), first touched, and pinned when asked: whole pages of
+    its own, registered with CUDA at their size (no rounding to a power of two, no lock of the
+    caching host allocator, no page shared with another registration), unregistered when the
+    buffer is freed. This is the only place trainguard allocates host memory for copies of
+    device state, so that tests can count it."""
+    size = max(nbytes, 1)
+    if pinned:  # page-aligned whole pages inside a larger allocation
+        size = -(-size // PAGE) * PAGE
+        raw = torch.zeros(size + PAGE, dtype=torch.uint8)  # zeros: the pages are touched here
+        start = -raw.data_ptr() % PAGE
+        buffer = raw[start : start + size]
+    else:
+        buffer = torch.zeros(size, dtype=torch.uint8)
     address = 0
-    if pinned and buffer.numel():
+    if pinned:
         address = buffer.data_ptr()
         cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        error = int(cudart.cudaHostRegister(address, buffer.numel(), 1))  # 1: portable
+        error = int(cudart.cudaHostRegister(address, size, 1))  # 1: portable
         if error != 0:
             raise MemoryError(
-                f"pinning {nbytes / 2**30:.2f} GiB of host memory failed (CUDA error {error}): "
+                f"pinning {size_text(size)} of host memory failed (CUDA error {error}): "
                 "lower recovery.snapshot_memory"
             )
-    COUNTS.add(buffer.numel(), pinned)
-    weakref.finalize(buffer, _unpin, address, buffer.numel())
+    COUNTS.add(size, pinned)
+    weakref.finalize(buffer, _unpin, address, size)
     return buffer
 
 

@@ -179,8 +179,10 @@ class SnapshotRing:
         skeleton, tensors = self._state(model, optimizer)
         used = {id(s) for s in self._slot_of.values()}
         free = [s for s in pool.slots if id(s) not in used]
-        slot = free[0] if free else self._slot_of.pop(id(self.snapshots.popleft()))
-        views = pool.carve(slot, Layout.of(tensors))
+        slot = free[0] if free else self._slot_of[id(self.snapshots[0])]
+        views = pool.carve(slot, Layout.of(tensors))  # a MemoryError keeps the oldest
+        if not free:
+            self._slot_of.pop(id(self.snapshots.popleft()))
         sources = [t for _, t in tensors]
         pool.fill(slot, sources, _written_by_forward(model, tensors))
         host_model, host_optimizer = fill(skeleton, views)
@@ -252,7 +254,7 @@ class SnapshotRing:
         layout; else through `load_state_dict`."""
         slot = self._slot_of.get(id(snapshot))
         self.before_update()  # no copy still reads what is about to be written
-        if not _restore_in_place(snapshot, model, optimizer, slot):
+        if not _restore_in_place(snapshot, model, optimizer):
             if slot is not None:
                 slot.wait_host()
             model.load_state_dict(snapshot.model)
@@ -291,24 +293,24 @@ def _written_by_forward(model: Stateful, tensors: list[tuple[str, torch.Tensor]]
     }
 
 
-def _restore_in_place(
-    snapshot: Snapshot, model: Stateful, optimizer: Stateful, slot: Slot | None
-) -> bool:
+def _restore_in_place(snapshot: Snapshot, model: Stateful, optimizer: Stateful) -> bool:
     """Copy the snapshot into the live tensors of a module and a torch optimizer whose state has
-    the snapshot's layout, and put back the optimizer's plain values; whether it could."""
-    if slot is None or slot.layout is None:
-        return False
+    the snapshot's layout (the same entries, shapes and dtypes), and put back the optimizer's
+    plain values; whether it could."""
     if not isinstance(model, nn.Module) or not isinstance(optimizer, torch.optim.Optimizer):
         return False
+    saved: list[tuple[str, torch.Tensor]] = []
+    flatten(snapshot.model, "model", saved)
+    flatten(snapshot.optimizer, "optimizer", saved)
     live: list[tuple[str, torch.Tensor]] = []
     flatten(model.state_dict(), "model", live)
-    saved = optimizer.state_dict()
-    flatten(saved, "optimizer", live)
-    keys = [e.key for e in slot.layout.entries]
-    if [k for k, _ in live] != keys or not slot.layout.fits([t for _, t in live]):
+    flatten(optimizer.state_dict(), "optimizer", live)
+    if [k for k, _ in live] != [k for k, _ in saved]:
+        return False
+    if not Layout.of(saved).fits([t for _, t in live]):
         return False
     with torch.no_grad():
-        foreach_copy_([t for _, t in live], slot.views, non_blocking=True)
+        foreach_copy_([t for _, t in live], [t for _, t in saved], non_blocking=True)
     _restore_plain(snapshot.optimizer, optimizer)
     return True
 
