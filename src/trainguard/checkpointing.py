@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainguard.actions.checkpoint_files import DamagedCheckpoint, passed_over
 from trainguard.actions.checkpoints import (
@@ -46,6 +47,25 @@ def set_aside(directory: Path, newest: str, warn: Warn, hint: str) -> bool:
     return True
 
 
+def _address(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return int(local.data_ptr())
+
+
+def _stepped_addresses(optimizer: torch.optim.Optimizer) -> set[int]:
+    """Where the tensors the optimizer writes lie: its trainable parameters and their state."""
+    found: set[int] = set()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not param.requires_grad:
+                continue
+            found.add(_address(param))
+            for value in optimizer.state.get(param, {}).values():
+                if isinstance(value, torch.Tensor):
+                    found.add(_address(value))
+    return found
+
+
 class Checkpointing:
     """Writes the training state with the guard's own state to `run_dir/checkpoints` and finds
     the newest one that verifies and fits the live objects, on every rank alike."""
@@ -69,6 +89,10 @@ class Checkpointing:
         self.warn = warn
         self.last_good: int | None = None  # the newest checkpoint taken in a healthy window
         self.continues_a_run = False  # resumed, or given a state: the checkpoints are its own
+        # a due checkpoint waits for the previous write on the host (exact steps, and the cores
+        # the writer shares are the training's), is deferred instead on a device
+        self.defers = any(p.device.type != "cpu" for p in model.parameters())
+        self.prepared = False  # the staging buffers' layout handed to the store once
 
     def save(
         self,
@@ -91,6 +115,7 @@ class Checkpointing:
             tensors, plain = sharded_training_state(
                 self.model, self.optimizer, self.scheduler, self.scaler, self.ranks.rank
             )
+        self.store.note_stepped(_stepped_addresses(self.optimizer))
         plain.update(
             {
                 "guard": guard_state,
@@ -101,6 +126,32 @@ class Checkpointing:
         )
         self.store.save(step, tensors, plain, manifest)
         self.report_errors()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a checkpoint now would wait on this thread (where checkpoints are deferred):
+        the previous one is still being written, or the staging buffers still allocated."""
+        return self.defers and (self.store.writing or self.store.preparing)
+
+    def prepare(self) -> None:
+        """Once the optimizer has state (once): allocate the staging buffers in the background,
+        where checkpoints are deferred."""
+        if self.prepared or not self.defers or not self.optimizer.state:
+            return
+        self.prepared = True
+        if self.ranks is None:
+            tensors, _ = training_state(self.model, self.optimizer, None, None)
+        else:
+            tensors, _ = sharded_training_state(
+                self.model, self.optimizer, None, None, self.ranks.rank
+            )
+        self.store.prepare({**tensors, "trainguard": {"step": torch.zeros((), dtype=torch.int64)}})
+        self.report_errors()
+
+    def forget_staged(self) -> None:
+        """After the guard wrote weights in a way no version counter may see (a rollback, a
+        replica resync, a rescale): the next checkpoint copies and hashes every tensor."""
+        self.store.forget_staged()
 
     def protect_last_good(self) -> None:
         """Keep the newest known-good checkpoint before an incident, whatever the retention."""
