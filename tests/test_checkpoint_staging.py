@@ -17,6 +17,7 @@ from torch import nn
 import trainguard as tg
 from finetune import VOCAB, Finetuned, build, loader
 from test_distributed import launch
+from trainguard.actions import host_memory
 from trainguard.actions.checkpoint_blobs import BlobWriter
 from trainguard.actions.checkpoint_files import MANIFEST
 from trainguard.actions.checkpoints import CheckpointStore
@@ -273,12 +274,13 @@ def test_a_frozen_layer_is_neither_copied_nor_hashed_at_the_next_save(tmp_path):
     store = guard.checkpoints
     assert store is not None
     data = iter(loader())
-    figures = []
+    figures, allocations = [], []
     for _ in range(4):
         (tokens,) = next(data)
         _step(guard, model, tokens)
         if guard.global_step % 2 == 0:
             figures.append((store.copied, store.written["hashed"], store.written["written"]))
+            allocations.append(host_memory.COUNTS.allocations)
     total, frozen = _all_bytes(model, opt), _frozen_bytes(model)
     assert frozen > 0.7 * total
     (copied0, hashed0, _), (copied1, hashed1, written1) = figures
@@ -286,6 +288,7 @@ def test_a_frozen_layer_is_neither_copied_nor_hashed_at_the_next_save(tmp_path):
     # the second: the head, its moments and step counters, the random state; no frozen byte
     assert copied1 <= total - frozen + 6000 and hashed1 == copied1
     assert written1 <= copied1
+    assert allocations[1] == allocations[0]  # the buffers of the first save, reused
     guard.close()
 
 
