@@ -190,6 +190,36 @@ def test_a_checkpoint_still_deferred_at_close_is_written_then(tmp_path, monkeypa
     _no_leftovers(tmp_path)
 
 
+def test_without_blobs_the_writer_waits_for_the_staging_copy_too(tmp_path, monkeypatch):
+    """With `dedup_checkpoints: false` DCP's own file writer, in the background, first waits for
+    the staging copy (the stager's `wait_copied`), and the checkpoints resume."""
+    from trainguard.actions.checkpoints import BufferStager
+
+    waited: list[str] = []
+    original = BufferStager.wait_copied
+
+    def counted(self: BufferStager) -> None:
+        waited.append(threading.current_thread().name)
+        original(self)
+
+    monkeypatch.setattr(BufferStager, "wait_copied", counted)
+    model, opt = build()
+    guard = tg.Guard(model, opt, config=_config(every=2, dedup_checkpoints=False), run_dir=tmp_path)
+    data = iter(loader())
+    for _ in range(4):
+        (tokens,) = next(data)
+        _step(guard, model, tokens)
+    live = {k: v.clone() for k, v in model.state_dict().items()}
+    guard.close()
+    assert len(waited) == 2 and threading.main_thread().name not in waited
+    assert _steps_on_disk(tmp_path) == [2, 4]
+    resumed, opt2 = build()
+    guard = tg.Guard.resume(tmp_path, resumed, opt2, config=_config(every=2))
+    guard.close()
+    for key, value in resumed.state_dict().items():
+        assert torch.equal(value, live[key]), key
+
+
 # -- 2. no device-wide sync ----------------------------------------------------------------------
 
 
