@@ -89,9 +89,7 @@ class Checkpointing:
         self.warn = warn
         self.last_good: int | None = None  # the newest checkpoint taken in a healthy window
         self.continues_a_run = False  # resumed, or given a state: the checkpoints are its own
-        # a due checkpoint waits for the previous write on the host (exact steps, and the cores
-        # the writer shares are the training's), is deferred instead on a device
-        self.defers = any(p.device.type != "cpu" for p in model.parameters())
+        self._defers: bool | None = None  # decided at the first step (the model placed by then)
         self.prepared = False  # the staging buffers' layout handed to the store once
 
     def save(
@@ -126,6 +124,19 @@ class Checkpointing:
         )
         self.store.save(step, tensors, plain, manifest)
         self.report_errors()
+
+    @property
+    def defers(self) -> bool:
+        """Whether a due checkpoint is deferred while the last is written: where the model lives
+        on a device. On the host it waits instead (exact steps; the writer shares the training's
+        cores)."""
+        if self._defers is None:
+            self._defers = any(p.device.type != "cpu" for p in self.model.parameters())
+        return self._defers
+
+    @defers.setter
+    def defers(self, value: bool) -> None:
+        self._defers = value
 
     @property
     def busy(self) -> bool:
