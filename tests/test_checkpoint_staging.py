@@ -361,6 +361,35 @@ def test_a_frozen_layer_is_neither_copied_nor_hashed_at_the_next_save(tmp_path):
     guard.close()
 
 
+def test_a_buffer_a_kernel_updates_unseen_is_copied_at_every_save(tmp_path):
+    """BatchNorm's running statistics change in each forward without a version bump: judged as
+    device tensors are, they are copied at every save, and each checkpoint holds them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    guard = tg.Guard(model, opt, config=_config(every=2, asynchronous=False), run_dir=tmp_path)
+    _judged_by_version(guard)
+    store = guard.checkpoints
+    assert store is not None
+    stats = model[1].running_mean
+    live = {}
+    for i in range(4):
+        version = stats._version
+        loss = model(torch.randn(16, 4, generator=torch.Generator().manual_seed(i))).pow(2).mean()
+        assert stats._version == version  # the forward changed it unseen
+        loss.backward()
+        guard.step(loss)
+        opt.zero_grad()
+        live[guard.global_step] = stats.clone()
+    guard.close()
+    for step in (2, 4):
+        path = tmp_path / "checkpoints" / f"step-{step}"
+        tensors, _ = store.load(path, store.verify(path))
+        assert torch.equal(tensors["model.1.running_mean"], live[step]), step
+    assert not torch.equal(live[2], live[4])
+
+
 class Divergence(Detector):
     """A stub detector saying the run diverged from `start` at step `at`: a rollback."""
 

@@ -52,18 +52,9 @@ def _address(tensor: torch.Tensor) -> int:
     return int(local.data_ptr())
 
 
-def _stepped_addresses(optimizer: torch.optim.Optimizer) -> set[int]:
-    """Where the tensors the optimizer writes lie: its trainable parameters and their state."""
-    found: set[int] = set()
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if not param.requires_grad:
-                continue
-            found.add(_address(param))
-            for value in optimizer.state.get(param, {}).values():
-                if isinstance(value, torch.Tensor):
-                    found.add(_address(value))
-    return found
+def _frozen_addresses(model: nn.Module) -> set[int]:
+    """Where the model's frozen parameters (those that require no grad) lie."""
+    return {_address(p) for p in model.parameters() if not p.requires_grad}
 
 
 class Checkpointing:
@@ -113,7 +104,7 @@ class Checkpointing:
             tensors, plain = sharded_training_state(
                 self.model, self.optimizer, self.scheduler, self.scaler, self.ranks.rank
             )
-        self.store.note_stepped(_stepped_addresses(self.optimizer))
+        self.store.note_frozen(_frozen_addresses(self.model))
         plain.update(
             {
                 "guard": guard_state,

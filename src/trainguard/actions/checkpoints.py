@@ -159,11 +159,11 @@ class BufferStager(AsyncStager):
     """Stages a checkpoint into host buffers kept from one checkpoint to the next: one buffer for
     the host tensors and one pinned buffer for the device tensors, each carved into views, filled
     by one fused copy (on a side stream for device tensors, which the writer waits for through an
-    event: nothing waits on the training thread). With `memory`, a tensor known unchanged since
-    the last save is not copied and its view keeps its digest: a host tensor whose bytes equal its
-    view's, a device tensor whose version counter and address are the same (not one the optimizer
-    steps: fused kernels do not count their writes). `forget_all` after a write the counter
-    misses."""
+    event: nothing waits on the training thread). A tensor known unchanged since the last save is
+    not copied and its view keeps its digest: with `memory`, a host tensor whose bytes equal its
+    view's; a frozen parameter on a device whose version counter and address are the same (no
+    other device tensor: fused optimizer kernels and BatchNorm bump no counter). `forget_all`
+    after a write the counter misses."""
 
     _synchronize_after_execute = False
 
@@ -171,7 +171,7 @@ class BufferStager(AsyncStager):
         self.memory = memory
         self.addresses: set[int] = set()  # where the views are, for `DigestMemory.remember`
         self.by_version: Callable[[torch.Tensor], bool] = _on_device  # else judged by bytes
-        self.stepped: set[int] = set()  # addresses of tensors the optimizer writes: never skipped
+        self.frozen: set[int] = set()  # addresses of frozen parameters: the only ones skipped
         self.copied_bytes = 0  # bytes the last `stage` copied
         self._groups: dict[bool, _Staging] = {}  # pinned or not -> its buffer and views
         self._marks: dict[str, tuple[int, int]] = {}  # key -> (version, address) when staged
@@ -274,14 +274,14 @@ class BufferStager(AsyncStager):
 
     def _unchanged(self, key: str, src: torch.Tensor, view: torch.Tensor) -> bool:
         """Whether `view` already holds `src`'s bytes, so that neither copy nor hash is needed.
-        A tensor judged by its version counter has its storage held until the next save, so that
-        no other tensor can take its address meanwhile (the tensors the optimizer steps are not
-        held: they are always copied, and an optimizer may replace them)."""
+        Judged by version counter, only a frozen parameter can be unchanged: optimizers' fused
+        kernels and BatchNorm's running statistics bump no counter. Its storage is held until the
+        next save, so that no other tensor can take its address meanwhile."""
         if self.by_version(src):
             mark = (tensor_version(src), src.data_ptr())
             before = self._marks.pop(key, None)
             self._held.pop(key, None)
-            if src.data_ptr() in self.stepped:
+            if src.data_ptr() not in self.frozen:
                 return False
             self._marks[key] = mark
             self._held[key] = src.untyped_storage()
@@ -534,10 +534,10 @@ class CheckpointStore:
         hashes every tensor again."""
         self._stager.forget_all()
 
-    def note_stepped(self, addresses: set[int]) -> None:
-        """The addresses of the tensors the optimizer writes: always copied (fused optimizer
-        kernels bump no version counter)."""
-        self._stager.stepped = addresses
+    def note_frozen(self, addresses: set[int]) -> None:
+        """The addresses of the frozen parameters: the only device tensors that may be found
+        unchanged by their version counter (every other one is copied at each save)."""
+        self._stager.frozen = addresses
 
     def _say(self, line: str) -> None:
         """Keep a line for the next step's `checkpoint` warning (from any thread)."""
