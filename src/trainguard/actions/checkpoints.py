@@ -156,14 +156,10 @@ class _Staging:
 
 
 class BufferStager(AsyncStager):
-    """Stages a checkpoint into host buffers kept from one checkpoint to the next: one buffer for
-    the host tensors and one pinned buffer for the device tensors, each carved into views, filled
-    by one fused copy (on a side stream for device tensors, which the writer waits for through an
-    event: nothing waits on the training thread). A tensor known unchanged since the last save is
-    not copied and its view keeps its digest: with `memory`, a host tensor whose bytes equal its
-    view's; a frozen parameter on a device whose version counter and address are the same (no
-    other device tensor: fused optimizer kernels and BatchNorm bump no counter). `forget_all`
-    after a write the counter misses."""
+    """Stages a checkpoint by one copy into host buffers reused from save to save (pinned for
+    device tensors, copied on a side stream whose event the writer waits for), skipping what is
+    known unchanged: a host tensor whose bytes equal its view's (with `memory`), a frozen device
+    parameter whose version counter and address are the same."""
 
     _synchronize_after_execute = False
 
@@ -273,10 +269,8 @@ class BufferStager(AsyncStager):
         return _rebuild(state_dict, "", views)  # type: ignore[no-any-return]
 
     def _unchanged(self, key: str, src: torch.Tensor, view: torch.Tensor) -> bool:
-        """Whether `view` already holds `src`'s bytes, so that neither copy nor hash is needed.
-        Judged by version counter, only a frozen parameter can be unchanged: optimizers' fused
-        kernels and BatchNorm's running statistics bump no counter. Its storage is held until the
-        next save, so that no other tensor can take its address meanwhile."""
+        """Whether `view` already holds `src`'s bytes: no copy, no hash. By version counter only a
+        frozen parameter (fused optimizers and BatchNorm bump none), its storage held meanwhile."""
         if self.by_version(src):
             mark = (tensor_version(src), src.data_ptr())
             before = self._marks.pop(key, None)
@@ -294,9 +288,8 @@ class BufferStager(AsyncStager):
         )
 
     def _copy(self, sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
-        """Host tensors copied here; device tensors on a side stream per device, after what the
-        device's current stream has queued, which then waits (on the device) for the copy: no
-        host sync. The writer waits on the copies' events (`wait_copied`)."""
+        """Host tensors copied here; device tensors on a side stream after the current stream's
+        work, which then waits on the device for the copy (`wait_copied` waits on the host)."""
         self._events = []
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for src, dst in zip(sources, targets, strict=True):
