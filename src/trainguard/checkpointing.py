@@ -136,9 +136,9 @@ class Checkpointing:
         return self.defers and (self.store.writing or self.store.preparing)
 
     def prepare(self) -> None:
-        """Once the optimizer has state (once): allocate the staging buffers in the background,
-        where checkpoints are deferred."""
-        if self.prepared or not self.defers or not self.optimizer.state:
+        """Once the optimizer has state (in a distributed run at the first step taken, on every
+        rank alike): allocate the staging buffers in the background, where checkpoints defer."""
+        if self.prepared or not self.defers or (self.ranks is None and not self.optimizer.state):
             return
         self.prepared = True
         if self.ranks is None:
