@@ -6,6 +6,8 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from trainguard.demo import TinyGPT, TinyGPTConfig
 
@@ -32,3 +34,40 @@ def write_section(name: str, title: str, body: str, command: str) -> None:
         text = text.rstrip() + f"\n\n## {title}\n\n" + block + "\n"
     RESULTS.write_text(text)
     print(f"wrote {RESULTS}", file=sys.stderr)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with separate q/k/v/o projections (Llama's names), no QK-norm."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = heads, d // heads
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        shape = (b, t, self.num_heads, self.head_dim)
+        q, k, v = (
+            p(x).view(shape).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out: torch.Tensor = self.o_proj(y.transpose(1, 2).reshape(b, t, c))
+        return out
+
+
+class Block(nn.Module):
+    """A pre-LN transformer block: `Attention`, then a GELU MLP of 4x the width."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import trainguard as tg
-from _common import write_section
+from _common import Block, write_section
 from trainguard.demo.data import TextCorpus
 
 LRS = [float(x) for x in np.geomspace(1e-3, 0.4, 10)]
@@ -65,41 +65,6 @@ COLLAPSED = 0.1  # nats: a layer's attention entropy under this at the end is co
 # signal past critical only after the trend window
 CACHE_VERSION = 3
 LOSS_KINDS = ("loss_spike", "divergence", "grad_explosion", "grad_spike", "oscillation", "stall")
-
-
-class Attention(nn.Module):
-    """Causal self-attention with separate q/k/v/o projections (Llama's names), no QK-norm."""
-
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim = heads, d // heads
-        self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.v_proj = nn.Linear(d, d, bias=False)
-        self.o_proj = nn.Linear(d, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        shape = (b, t, self.num_heads, self.head_dim)
-        q, k, v = (
-            p(x).view(shape).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
-        )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out: torch.Tensor = self.o_proj(y.transpose(1, 2).reshape(b, t, c))
-        return out
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = Attention(d, heads)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        out: torch.Tensor = x + self.mlp(self.ln2(x))
-        return out
 
 
 class LM(nn.Module):

@@ -60,7 +60,7 @@ def costs(repeats: int) -> str:
         snap = ring.take(0, model, guard.optimizer, None, None, {}, None)
         take.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        SnapshotRing.restore(snap, model, guard.optimizer, None, None)
+        ring.restore(snap, model, guard.optimizer, None, None)
         restore.append(time.perf_counter() - t0)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 

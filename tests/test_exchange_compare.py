@@ -18,7 +18,7 @@ def findings(run_dir: Path) -> list[tuple[Any, ...]]:
     return [
         (e["step"], e["kind"], e["severity"], e["rank"], e["metrics"].get("ranks"))
         for e in events
-        if e["kind"] != "lint"
+        if e["kind"] not in ("lint", "snapshot")
     ]
 
 

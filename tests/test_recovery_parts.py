@@ -232,7 +232,7 @@ def test_snapshot_restores_weights_optimizer_and_random_state_exactly():
     for _ in range(3):
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
-    SnapshotRing.restore(snap, model, opt, None, None)
+    ring.restore(snap, model, opt, None, None)
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
     assert all(torch.equal(opt.state[model.weight][k], v) for k, v in state.items())
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == draws

@@ -79,6 +79,7 @@ class Checkpointing:
         self.ranks = ranks
         self.warn = warn
         self.last_good: int | None = None  # the newest checkpoint taken in a healthy window
+        self.good_steps: list[int] = []  # every checkpoint this run took in a healthy window
         self.continues_a_run = False  # resumed, or given a state: the checkpoints are its own
         self._defers: bool | None = None  # decided at the first step (the model placed by then)
         self.prepared = False  # the staging buffers' layout handed to the store once
@@ -98,6 +99,7 @@ class Checkpointing:
             self._set_aside_earlier()
         if known_good:
             self.last_good = step
+            self.good_steps = [s for s in self.good_steps if s < step] + [step]
         if self.ranks is None:
             tensors, plain = training_state(self.model, self.optimizer, self.scheduler, self.scaler)
         else:
@@ -154,6 +156,39 @@ class Checkpointing:
         """After the guard wrote weights in a way no version counter may see (a rollback, a
         replica resync, a rescale): the next checkpoint copies and hashes every tensor."""
         self.store.forget_staged()
+
+    def known_good_at_or_before(self, step: int) -> int | None:
+        """The step of the newest complete checkpoint this run took in a healthy window at or
+        before `step` (a rollback target where no snapshot fits in memory), or None."""
+        for good in reversed(self.good_steps):
+            if good > step:
+                continue
+            if (self.store.directory / f"step-{good}" / "manifest.json").is_file():
+                return good
+            if good == self.good_steps[-1] and self.store.writing:  # done before it is read
+                return good
+        return None
+
+    def restore_step(self, step: int, check: CheckState) -> dict[str, Any]:
+        """Load the checkpoint of `step` into the live objects (a rollback to it), once it
+        verifies and `check` takes its guard state; its plain state. `DamagedCheckpoint` when it
+        does not verify or fit, before anything live is touched."""
+        path = self.store.directory / f"step-{step}"
+        manifest = self.store.verify(path)
+        if self.ranks is not None:
+            plain = load_sharded(
+                self.store, path, manifest, self.model, self.optimizer, self.scheduler,
+                self.scaler, self.ranks.rank,
+            )  # fmt: skip
+            check(plain)
+            return plain
+        tensors, plain = self.store.load(path, manifest)
+        apply = prepare_restore(
+            path, tensors, plain, self.model, self.optimizer, self.scheduler, self.scaler
+        )
+        check(plain)
+        apply()
+        return plain
 
     def protect_last_good(self) -> None:
         """Keep the newest known-good checkpoint before an incident, whatever the retention."""

@@ -635,6 +635,50 @@ class RoutingConfig(_Section):
     patience: int = Field(5, ge=1, description="Steps in a row collapsed before it is reported.")
 
 
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_memory(value: str | int | float) -> tuple[float, bool]:
+    """A memory setting as `(amount, is_share)`: "25%" is a share of the node's available memory
+    (0.25, True); "40GB", "12GiB", "512MiB" or a number are bytes (per node). ValueError with
+    what is accepted otherwise."""
+    if isinstance(value, bool):
+        raise ValueError("a memory size must be bytes, a size such as '40GB', or a share '25%'")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError("a memory size cannot be negative")
+        return float(value), False
+    text = value.strip()
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1]) / 100
+        except ValueError:
+            share = -1.0
+        if not 0 <= share <= 1:
+            raise ValueError(f"{value!r}: a share of memory is between '0%' and '100%'")
+        return share, True
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"{value!r} is not a memory size: give bytes, a size such as '40GB' or '12GiB', "
+            "or a share of the node's available memory such as '25%'"
+        )
+    return float(match.group(1)) * _UNITS[unit], False
+
+
 class RecoveryConfig(_Section):
     """Snapshots and rollback: how far back, how much LR, how much data to skip. Sizes that
     depend on the run's length are sized to it: from `diagnosis.total_steps` when given, else
@@ -648,7 +692,20 @@ class RecoveryConfig(_Section):
         "planned steps, between 10 and 50 (50 when the length is unknown), and shorter where the "
         "data cannot be rewound, as `snapshot_budget` allows.",
     )
-    snapshots: int = Field(3, ge=1, description="Snapshots kept in the ring.")
+    snapshots: int = Field(
+        3,
+        ge=1,
+        description="Snapshots kept in the ring, at most: fewer where `snapshot_memory` holds "
+        "fewer.",
+    )
+    snapshot_memory: str | int = Field(
+        "25%",
+        description="Host memory for snapshots on each node, split evenly between its ranks "
+        "(torchrun's LOCAL_WORLD_SIZE): a share of the memory available at the start ('25%'), "
+        "or a size ('40GB', '12GiB', bytes). A snapshot takes the bytes of the model's and the "
+        "optimizer's state on this rank (about 12 a parameter with fp32 AdamW), pinned once; "
+        "the ring keeps as many as fit, at a longer interval when fewer than `snapshots` do.",
+    )
     snapshot_budget: float = Field(
         0.01,
         ge=0,
@@ -735,6 +792,12 @@ class RecoveryConfig(_Section):
         "a tensor unchanged since the last checkpoint (a frozen weight) is not written again; "
         "off writes every tensor into each checkpoint's folder.",
     )
+
+    @field_validator("snapshot_memory")
+    @classmethod
+    def _memory_size(cls, value: str | int) -> str | int:
+        parse_memory(value)  # a ValueError says what is accepted
+        return value
 
     def sized(self, planned_steps: int | None) -> RecoveryConfig:
         """A copy with the sizes left to the run (None) filled in for a run of `planned_steps`

@@ -51,6 +51,7 @@ class EventKind(str, Enum):
     DATA_SKIPPED = "data_skipped"
     DATA_EXHAUSTED = "data_exhausted"
     QUARANTINE = "quarantine"
+    SNAPSHOT = "snapshot"
     CHECKPOINT = "checkpoint"
     RESUME = "resume"
     HALT = "halt"

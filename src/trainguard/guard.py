@@ -154,6 +154,7 @@ class Guard(Monitor):
             self.checkpointing = Checkpointing(
                 store, model, optimizer, scheduler, scaler, self.ranks, self._warn
             )
+            self.recovery.durable = _CheckpointTargets(self.checkpointing, self._check_guard_state)
         self._resume_data: dict[str, Any] | None = None
         self.checkpoint_clock: Callable[[], float] = time.monotonic  # seconds; tests replace it
         self._last_checkpoint_at: float | None = None  # on the clock: the last one, or the start
@@ -374,6 +375,7 @@ class Guard(Monitor):
         self.global_step += 1
         if decision.action == "step":
             parts.stats.before_optimizer_step(step)
+            self.recovery.before_update()  # the device waits for a snapshot's copy, not the host
             parts.actions.step(signals.loss)
             parts.stats.after_optimizer_step(step)
             events += self._publish(self.recovery.cut_lr(decision))
@@ -383,10 +385,11 @@ class Guard(Monitor):
                     e.metrics.get("action") == "rescale_qk" for e in taken
                 )
                 events += self._publish(taken)
-            self.recovery.maybe_snapshot(self.global_step)
+            self._publish(self.recovery.maybe_snapshot(self.global_step))  # about the run
             events += self._maybe_checkpoint(checkpoint_due, checkpoint_busy)
         else:
             parts.stats.discard_update()
+            self.recovery.before_update()  # a resync or a restore writes what may be copied
             parts.actions.skip()
             events += self._resync_replicas(decision)
             if decision.action == "rollback":
@@ -411,6 +414,12 @@ class Guard(Monitor):
         if result.action == "halt":
             result = self._halt(result, raise_error=True)
         return result
+
+    def snapshot_barrier(self) -> None:
+        """Call before writing weights or optimizer state outside `optimizer.step()` (an EMA
+        written into the parameters, a manual update): on a GPU a snapshot's copy may still be
+        reading them, and this makes the device wait for it (the host goes on)."""
+        self.recovery.before_update()
 
     def _finish(
         self,
@@ -767,6 +776,27 @@ class Guard(Monitor):
                 self._deferred_checkpoint = None  # the one still deferred: taken, once the
                 self.save_checkpoint()  # last write is over (on every rank alike)
             self.checkpointing.wait()
+
+
+class _CheckpointTargets:
+    """The run's known-good checkpoints as rollback targets (`recovery.DurableTarget`)."""
+
+    def __init__(
+        self, checkpointing: Checkpointing, check: Callable[[dict[str, Any]], None]
+    ) -> None:
+        self.checkpointing = checkpointing
+        self.check = check
+
+    def known_good_at_or_before(self, step: int) -> int | None:
+        return self.checkpointing.known_good_at_or_before(step)
+
+    def restore_step(self, step: int) -> dict[str, Any]:
+        self.checkpointing.wait()  # the writer is done with the live state's staged copy
+        return self.checkpointing.restore_step(step, self.check)
+
+    def forget(self, step: int) -> None:
+        """A target that did not load is not offered again."""
+        self.checkpointing.good_steps = [s for s in self.checkpointing.good_steps if s != step]
 
 
 def _shards_state(optimizer: torch.optim.Optimizer) -> bool:

@@ -8,14 +8,22 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from trainguard.actions.checkpoint_files import DamagedCheckpoint
 from trainguard.actions.data import GuardedBatches, sized_skip
+from trainguard.actions.host_memory import local_ranks, rank_budget, size_text
 from trainguard.actions.optimizer_step import OptimizerActions
 from trainguard.actions.quarantine import Quarantine
-from trainguard.actions.snapshots import SnapshotRing, Stateful, budget_interval
+from trainguard.actions.snapshots import (
+    Snapshot,
+    SnapshotPlan,
+    SnapshotRing,
+    Stateful,
+    budget_interval,
+)
 from trainguard.config import GuardConfig, RecoveryConfig
 from trainguard.detectors import DetectorSuite
 from trainguard.events import Decision, Event, EventKind
@@ -24,6 +32,16 @@ from trainguard.policy import StepPolicy
 MAX_BATCH_IDS = 64
 POSITIONS_KEPT = 8192  # steps whose data position is remembered, to map incidents to batches
 STEP_TIMES_KEPT = 32  # recent step times whose median sizes the snapshot interval
+
+
+class DurableTarget(Protocol):
+    """Durable checkpoints as rollback targets, where no snapshot fits in memory."""
+
+    def known_good_at_or_before(self, step: int) -> int | None: ...
+
+    def restore_step(self, step: int) -> dict[str, Any]: ...
+
+    def forget(self, step: int) -> None: ...
 
 
 class Recovery:
@@ -59,8 +77,10 @@ class Recovery:
         self.last_incident = -(10**9)
         self.step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self.snapshot_seconds: float | None = None  # what the last snapshot took
+        self._snapshot_waiting = False  # a snapshot fell due before its memory was pinned
         self.unnamed_suspects: deque[int] = deque(maxlen=64)  # suspects without ids to name them
         self.policy.recovery = self.config
+        self.durable: DurableTarget | None = None  # checkpoints, where no snapshot fits
 
     def size_to_data(self, batches: GuardedBatches) -> None:
         """Use `batches` for rewinds; a source with a `len()` sizes the recovery when
@@ -101,40 +121,138 @@ class Recovery:
     def has_target(self, incident: int) -> bool:
         """Whether a snapshot lies at or before the first step of an incident (for the policy)."""
         rec = self.config
-        return rec.enabled and self.ring.target_for(incident, rec.rollback_margin) is not None
+        if not rec.enabled:
+            return False
+        if self.ring.target_for(incident, rec.rollback_margin) is not None:
+            return True
+        return self._durable_step(incident, rec.rollback_margin) is not None
+
+    def _durable_step(self, incident: int, margin: int) -> int | None:
+        """Where no snapshot fits in memory: the newest known-good durable checkpoint at least
+        `margin` steps before the incident, else at or before its first step."""
+        if self.durable is None or self.ring.plan_made is None or self.ring.slots > 0:
+            return None
+        for limit in (incident - margin, incident):
+            found = self.durable.known_good_at_or_before(limit)
+            if found is not None:
+                return found
+        return None
 
     # -- snapshots ----------------------------------------------------------------------------
     @property
     def snapshot_interval(self) -> int:
-        """Steps between snapshots: `recovery.snapshot_every`, sized to the run; where the data
-        cannot be rewound and the interval is left to the run, as short as
-        `recovery.snapshot_budget` allows (the last snapshot's cost against the median step
-        time), but long enough that the ring still holds one from before a spike's follow-up."""
+        """Steps between snapshots: `recovery.snapshot_every`, sized to the run, and longer
+        where fewer snapshots fit in memory than `recovery.snapshots` asks for (the ring reaches
+        as far back); where the data cannot be rewound and the interval is left to the run, as
+        short as `recovery.snapshot_budget` allows (the last snapshot's cost against the median
+        step time), but long enough that the ring still holds one from before a spike's
+        follow-up."""
         rec = self.config
         every = rec.snapshot_every or 1
+        slots = self.ring.slots
+        if 2 <= slots < rec.snapshots:  # the same reach back with fewer snapshots
+            every = math.ceil(every * (rec.snapshots - 1) / (slots - 1))
         if self.guard_config.recovery.snapshot_every is not None or self.rewinds_data:
             return every
-        if self.snapshot_seconds is None or not self.step_times or rec.snapshots < 2:
+        if self.snapshot_seconds is None or not self.step_times or slots < 2:
             return every
         reach = self.guard_config.loss_spike.classify_window + rec.sudden_margin
-        shortest = min(every, math.ceil(reach / (rec.snapshots - 1)))
+        shortest = min(every, math.ceil(reach / (slots - 1)))
         step_seconds = statistics.median(self.step_times)
         return budget_interval(
             self.snapshot_seconds, step_seconds, rec.snapshot_budget, shortest, every
         )
 
-    def maybe_snapshot(self, step: int) -> None:
+    def plan_snapshots(self, step: int) -> list[Event]:
+        """Once, after the first update (the optimizer's state exists): size the ring to
+        `recovery.snapshot_memory`, start allocating its host memory, and say how many
+        snapshots fit and what a rollback does where none does."""
+        if not self.config.enabled or self.model is None or self.optimizer is None:
+            return []
+        if self.ring.plan_made is not None:
+            return []
+        setting = self.guard_config.recovery.snapshot_memory
+        budget = rank_budget(setting)
+        plan = self.ring.plan(self.model, self.optimizer, budget)
+        return [self._plan_event(step, plan, setting)]
+
+    def _plan_event(self, step: int, plan: SnapshotPlan, setting: str | int) -> Event:
+        rec = self.config
+        each = size_text(plan.nbytes)
+        ranks = local_ranks()
+        where = f"{setting} of the node's memory" if isinstance(setting, str) else "set"
+        budget = f"budget {size_text(plan.budget)} per rank ({where}"
+        budget += f", {ranks} local ranks)" if ranks > 1 else ")"
+        held = "pinned in the background" if plan.pinned else "in host memory"
+        if plan.slots == plan.wanted:
+            fits = f"all {plan.wanted} fit, every {self.snapshot_interval} steps, {held}"
+        elif plan.slots >= 2:
+            fits = (
+                f"{plan.slots} of {plan.wanted} fit: one every {self.snapshot_interval} steps "
+                f"instead of {rec.snapshot_every}, so that the ring reaches as far back"
+            )
+        elif plan.slots == 1:
+            fits = (
+                f"1 of {plan.wanted} fits: it is taken every {self.snapshot_interval} steps, only "
+                "after as many steps without a warning; an incident that began before it is "
+                "skipped with an LR cut instead of a rollback"
+            )
+        else:
+            fits = "none fits: no in-memory rollback; " + (
+                "an incident that calls for one rolls back to the newest durable checkpoint "
+                "taken in a healthy window, else is skipped with an LR cut"
+                if self.durable is not None
+                else "an incident is skipped with an LR cut (no run_dir: no durable checkpoint)"
+            )
+        if plan.slots < plan.wanted:
+            fits += f"; a larger recovery.snapshot_memory keeps {plan.wanted}"
+        return Event(
+            step=step,
+            kind=EventKind.SNAPSHOT,
+            severity="info" if plan.slots == plan.wanted else "warning",
+            message=f"snapshots take {each} each on this rank; {budget}: {fits}",
+            metrics={
+                "snapshot_bytes": plan.nbytes,
+                "budget_bytes": plan.budget,
+                "snapshots_wanted": plan.wanted,
+                "snapshots_fit": plan.slots,
+                "snapshot_every": self.snapshot_interval,
+                "pinned": plan.pinned,
+                "local_ranks": ranks,
+            },
+        )
+
+    def maybe_snapshot(self, step: int) -> list[Event]:
         """Before `step` (the next one): keep a snapshot every `snapshot_interval` steps, on
-        schedule whatever was raised before; whether it serves an incident is judged later."""
+        schedule whatever was raised before (with a single slot, only after a healthy window);
+        whether it serves an incident is judged later. A snapshot due before its host memory is
+        pinned comes late (said once), never slow."""
         if not self.config.enabled or self.model is None:
-            return
+            return []
         if self.optimizer is None or self.actions is None:
-            return
+            return []
+        events = self.plan_snapshots(step)
+        if self.ring.ready:  # a pinning that stopped short is said, even where it left none
+            events += self._pinning_failed(step)
+        if self.ring.slots == 0:
+            return events
         every = self.snapshot_interval
         newest = self.ring.snapshots[-1].step if self.ring.snapshots else None
         due = step % every == 0 if newest is None else step - newest >= every
+        due = due or self._snapshot_waiting
         if not due:
-            return
+            return events
+        if self.ring.slots == 1 and not self.healthy_window(step):
+            return events  # the only snapshot is not replaced by one that may hold the incident
+        if not self.ring.ready:
+            if not self._snapshot_waiting:
+                events.append(self._waiting_event(step))
+            self._snapshot_waiting = True
+            return events
+        self._snapshot_waiting = False
+        events += self._pinning_failed(step)  # pinned since the check above
+        if self.ring.slots == 0:
+            return events
         started = time.perf_counter()
         guard_state = {
             "detectors": self.detectors.state_dict(),
@@ -142,17 +260,75 @@ class Recovery:
         }
         position = self.batches.state() if self.batches is not None else None
         last_warning = None if self.healthy_window(step) else self.last_incident
-        self.ring.take(
-            step,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.scaler,
-            guard_state,
-            position,
-            last_warning,
-        )
+        try:
+            self.ring.take(
+                step,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.scaler,
+                guard_state,
+                position,
+                last_warning,
+            )
+        except MemoryError as exc:  # a state that outgrew its slot, and no memory for more
+            events.append(self._take_failed(step, exc))
+            return events
         self.snapshot_seconds = time.perf_counter() - started
+        return events
+
+    def _pinning_failed(self, step: int) -> list[Event]:
+        """Said once: the background pinning stopped short, and how many snapshots it left."""
+        pool = self.ring.pool
+        if pool is None or pool.error is None:
+            return []
+        error, pool.error = pool.error, None
+        return [
+            Event(
+                step=step,
+                kind=EventKind.SNAPSHOT,
+                severity="warning",
+                message=(
+                    f"pinning host memory for snapshots stopped ({error}); "
+                    f"{len(pool.slots)} snapshot(s) kept instead of "
+                    f"{self.ring.plan_made.slots if self.ring.plan_made else '?'}: lower "
+                    "recovery.snapshot_memory"
+                ),
+                metrics={"snapshots_fit": len(pool.slots)},
+            )
+        ]
+
+    def _take_failed(self, step: int, exc: MemoryError) -> Event:
+        """The snapshot of `step` could not be taken (the state grew past its buffer, and a
+        larger one could not be made): the older ones stay the rollback targets."""
+        return Event(
+            step=step,
+            kind=EventKind.SNAPSHOT,
+            severity="warning",
+            message=(
+                f"the snapshot of step {step} was not taken ({exc}); the "
+                f"{len(self.ring.snapshots)} older one(s) stay the rollback targets"
+            ),
+            metrics={"step": step},
+        )
+
+    def _waiting_event(self, step: int) -> Event:
+        plan = self.ring.plan_made
+        size = size_text(plan.nbytes * plan.slots) if plan is not None else "its memory"
+        return Event(
+            step=step,
+            kind=EventKind.SNAPSHOT,
+            severity="info",
+            message=(
+                f"the snapshot due at step {step} waits for its host memory ({size}) to be "
+                "pinned in the background: it is taken at the first step after"
+            ),
+            metrics={"step": step},
+        )
+
+    def before_update(self) -> None:
+        """Before the optimizer writes the state: wait (on the device) for snapshot copies."""
+        self.ring.before_update()
 
     def set_aside_after(self, step: int | None) -> list[int]:
         """Drop the snapshots taken after `step` (every one with None), which may hold a replica
@@ -172,10 +348,19 @@ class Recovery:
         rollback_to = decision.rollback_to if decision.rollback_to is not None else decision.step
         start = incident if incident is not None else rollback_to
         snapshot = self.ring.target_for(start, start - rollback_to)
+        durable = None
+        if snapshot is None and model is not None and actions is not None:
+            durable = self._durable_step(start, start - rollback_to)
+            if durable is not None:
+                try:
+                    snapshot = self._restore_durable(durable, actions)
+                except DamagedCheckpoint as exc:  # nothing live was touched
+                    return decision.step + 1, self._durable_failed(decision, durable, exc)
         if snapshot is None or model is None or optimizer is None or actions is None:
             raise RuntimeError("the policy rolled back without a rollback target")
         from_step = decision.step
-        SnapshotRing.restore(snapshot, model, optimizer, self.scheduler, self.scaler)
+        if durable is None:
+            self.ring.restore(snapshot, model, optimizer, self.scheduler, self.scaler)
         # copies: the detectors go on mutating what they load, and a later rollback may return
         # to this same snapshot
         self.detectors.load_state_dict(copy.deepcopy(snapshot.guard["detectors"]))
@@ -213,6 +398,11 @@ class Recovery:
             )
         if snapshot.last_warning is not None:
             note += f" (taken after a warning at step {snapshot.last_warning}, judged since)"
+        if durable is not None:
+            note += (
+                f"; restored from the durable checkpoint step-{durable}, taken in a healthy "
+                "window (no snapshot fits in recovery.snapshot_memory)"
+            )
         lr = (
             f"LR kept at x{actions.lr_scale:.3g} of the schedule (a sudden "
             "incident undone; a repeat cuts it)"
@@ -246,6 +436,48 @@ class Recovery:
             action="rollback",
         )
         return snapshot.step, [event] if skip_event is None else [event, skip_event]
+
+    def _durable_failed(self, decision: Decision, step: int, exc: DamagedCheckpoint) -> list[Event]:
+        """A checkpoint rollback whose target does not load: never tried again; the LR is cut
+        instead, as where no target exists."""
+        if self.durable is not None:
+            self.durable.forget(step)
+        factor = decision.lr_factor or 1.0
+        events = [
+            Event(
+                step=decision.step,
+                kind=EventKind.ROLLBACK_UNAVAILABLE,
+                severity="warning",
+                message=(
+                    f"the rollback target, the checkpoint of step {step}, cannot be loaded "
+                    f"({exc}); training goes on with the LR x{factor:.3g}"
+                ),
+                metrics={"incident_step": decision.incident_step, "checkpoint_step": step},
+                action="rollback",
+            )
+        ]
+        if self.actions is not None and decision.lr_factor is not None:
+            self.actions.cut_lr(factor, decision.rewarm_steps)
+        return events
+
+    def _restore_durable(self, step: int, actions: OptimizerActions) -> Snapshot:
+        """Load the known-good checkpoint of `step` into the live objects; what a snapshot of it
+        would hold for the rest of the rollback (detectors, the schedule's LRs, data)."""
+        assert self.durable is not None
+        plain = self.durable.restore_step(step)
+        guard = plain["guard"]
+        saved = (guard.get("actions") or {}).get("schedule_lrs")
+        lrs = saved if saved is not None else actions.schedule_lrs()
+        return Snapshot(
+            step=step,
+            model={},
+            optimizer={},
+            scheduler=None,
+            scaler=None,
+            rng={},
+            guard={"detectors": guard["detectors"], "schedule_lrs": lrs},
+            data_position=plain.get("data"),
+        )
 
     def _skip_after(self, decision: Decision, position: int) -> tuple[tuple[int, int], Event]:
         """The positions a rollback skips, the incident batch and a share of what is left (never

@@ -4,7 +4,6 @@ with CUDA at its exact size), carved into per-tensor views, and a budget per ran
 from __future__ import annotations
 
 import os
-import re
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -13,6 +12,9 @@ from typing import Any
 
 import torch
 
+from trainguard.config import parse_memory
+
+PAGE = 4096  # bytes: pinned buffers are whole pages of their own
 ALIGN = 64  # bytes: each view starts on a boundary every dtype and vector copy is happy with
 
 
@@ -88,23 +90,31 @@ def _unpin(address: int, nbytes: int) -> None:
 
 
 def allocate(nbytes: int, pinned: bool) -> torch.Tensor:
-    """A host buffer of exactly `nbytes` (uint8), first touched, and pinned when asked: registered
-    with CUDA at its own size (no rounding to a power of two, no lock of the caching host
-    allocator), and unregistered when it is freed. This is the only place trainguard allocates
-    host memory for copies of device state, so that tests can count it."""
-    buffer = torch.zeros(max(nbytes, 1), dtype=torch.uint8)  # zeros: the pages are touched here
+    """A host buffer of `nbytes` (uint8), first touched, and pinned when asked: whole pages of
+    its own, registered with CUDA at their size (no rounding to a power of two, no lock of the
+    caching host allocator, no page shared with another registration), unregistered when the
+    buffer is freed. This is the only place trainguard allocates host memory for copies of
+    device state, so that tests can count it."""
+    size = max(nbytes, 1)
+    if pinned:  # page-aligned whole pages inside a larger allocation
+        size = -(-size // PAGE) * PAGE
+        raw = torch.zeros(size + PAGE, dtype=torch.uint8)  # zeros: the pages are touched here
+        start = -raw.data_ptr() % PAGE
+        buffer = raw[start : start + size]
+    else:
+        buffer = torch.zeros(size, dtype=torch.uint8)
     address = 0
-    if pinned and buffer.numel():
+    if pinned:
         address = buffer.data_ptr()
         cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        error = int(cudart.cudaHostRegister(address, buffer.numel(), 1))  # 1: portable
+        error = int(cudart.cudaHostRegister(address, size, 1))  # 1: portable
         if error != 0:
             raise MemoryError(
-                f"pinning {nbytes / 2**30:.2f} GiB of host memory failed (CUDA error {error}): "
+                f"pinning {size_text(size)} of host memory failed (CUDA error {error}): "
                 "lower recovery.snapshot_memory"
             )
-    COUNTS.add(buffer.numel(), pinned)
-    weakref.finalize(buffer, _unpin, address, buffer.numel())
+    COUNTS.add(size, pinned)
+    weakref.finalize(buffer, _unpin, address, size)
     return buffer
 
 
@@ -118,49 +128,6 @@ def carve(buffer: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
 
 
 # -- the budget --------------------------------------------------------------------------------
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_memory(value: str | int | float) -> tuple[float, bool]:
-    """A memory setting as `(amount, is_share)`: "25%" is a share of the node's available memory
-    (0.25, True); "40GB", "12GiB", "512MiB" or a number are bytes (per node). ValueError with
-    what is accepted otherwise."""
-    if isinstance(value, bool):
-        raise ValueError("a memory size must be bytes, a size such as '40GB', or a share '25%'")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError("a memory size cannot be negative")
-        return float(value), False
-    text = value.strip()
-    if text.endswith("%"):
-        try:
-            share = float(text[:-1]) / 100
-        except ValueError:
-            share = -1.0
-        if not 0 <= share <= 1:
-            raise ValueError(f"{value!r}: a share of memory is between '0%' and '100%'")
-        return share, True
-    match = _SIZE.match(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(
-            f"{value!r} is not a memory size: give bytes, a size such as '40GB' or '12GiB', "
-            "or a share of the node's available memory such as '25%'"
-        )
-    return float(match.group(1)) * _UNITS[unit], False
 
 
 def available_bytes() -> int:
@@ -193,7 +160,10 @@ def rank_budget(setting: str | int | float) -> int:
     return int(node // local_ranks())
 
 
-def gib(nbytes: float) -> str:
-    """Bytes as GiB, with sense at every size ("0.003 GiB", "15.8 GiB")."""
-    value = nbytes / 2**30
-    return f"{value:.3g} GiB" if value < 10 else f"{value:.1f} GiB"
+def size_text(nbytes: float) -> str:
+    """Bytes in the unit that reads best: "512 B", "3.2 MiB", "1.96 GiB", "15.8 GiB"."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:.3g} {unit}" if value < 10 else f"{value:.1f} {unit}"
+    return f"{int(nbytes)} B"

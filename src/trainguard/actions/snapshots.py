@@ -11,6 +11,11 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch import nn
+
+from trainguard._torch_private import foreach_copy_
+from trainguard.actions.host_memory import Layout, pinning_available
+from trainguard.actions.snapshot_pool import Slot, SnapshotPool, fill, flatten
 
 
 class Stateful(Protocol):
@@ -47,38 +52,6 @@ def budget_interval(
         return longest
     wanted = math.ceil(snapshot_seconds / (budget * step_seconds))
     return max(shortest, min(longest, wanted))
-
-
-_ATOMS = (int, float, bool, str, bytes, type(None))
-
-
-def _to_host(obj: Any, pinned: bool) -> Any:
-    """A deep copy with every tensor on the CPU (pinned, copied without blocking, from a GPU)."""
-    if isinstance(obj, _ATOMS):  # immutable: nothing to copy
-        return obj
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if t.device.type == "cpu":
-            return t.clone()
-        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
-        return out.copy_(t, non_blocking=pinned)
-    if isinstance(obj, dict):
-        return {k: _to_host(v, pinned) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_host(v, pinned) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_to_host(v, pinned) for v in obj)
-    return copy.deepcopy(obj)
-
-
-def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0
 
 
 def _cuda_in_use() -> bool:
@@ -132,11 +105,59 @@ def rng_from_plain(plain: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """How snapshots fit in host memory: the bytes of one, this rank's budget, how many of the
+    wanted ones fit, and whether they are pinned."""
+
+    nbytes: int
+    budget: int
+    wanted: int
+    slots: int
+    pinned: bool
+
+
 class SnapshotRing:
-    """The last `size` snapshots, newest last; copies live in (pinned) CPU memory."""
+    """The last snapshots, newest last, each in a host buffer of a `SnapshotPool` sized by a
+    memory budget: `plan` once the state's layout is known, then `take` and `restore`."""
 
     def __init__(self, size: int) -> None:
-        self.snapshots: deque[Snapshot] = deque(maxlen=size)
+        self.size = size
+        self.snapshots: deque[Snapshot] = deque()
+        self.pool: SnapshotPool | None = None
+        self.plan_made: SnapshotPlan | None = None
+        self._slot_of: dict[int, Slot] = {}  # id(snapshot) -> the slot holding it
+
+    @staticmethod
+    def _state(model: Stateful, optimizer: Stateful) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+        tensors: list[tuple[str, torch.Tensor]] = []
+        skeleton = (
+            flatten(model.state_dict(), "model", tensors),
+            flatten(optimizer.state_dict(), "optimizer", tensors),
+        )
+        return skeleton, tensors
+
+    def plan(self, model: Stateful, optimizer: Stateful, budget: int | None) -> SnapshotPlan:
+        """Size the pool to the state as it is now (after the first update, when the optimizer
+        has its state) and `budget` bytes (None: no limit), and start allocating it."""
+        _, tensors = self._state(model, optimizer)
+        layout = Layout.of(tensors)
+        pinned = _wants_pinning(tensors)
+        fit = self.size if budget is None else budget // max(layout.nbytes, 1)
+        slots = max(0, min(self.size, fit))
+        self.pool = SnapshotPool(slots, layout.nbytes, pinned)
+        self.plan_made = SnapshotPlan(layout.nbytes, budget or 0, self.size, slots, pinned)
+        return self.plan_made
+
+    @property
+    def slots(self) -> int:
+        """Snapshots the ring can hold (the wanted number until it is planned)."""
+        return self.size if self.pool is None else len(self.pool.slots)
+
+    @property
+    def ready(self) -> bool:
+        """Whether a snapshot can be taken now (its host memory is allocated)."""
+        return self.pool is None or self.pool.ready
 
     def take(
         self,
@@ -149,21 +170,42 @@ class SnapshotRing:
         data_position: Any,
         last_warning: int | None = None,
     ) -> Snapshot:
-        pinned = torch.cuda.is_available()  # `_to_host` pins only the copies of GPU tensors
+        """Copy the state at the start of `step` into the oldest snapshot's slot (a free one
+        while the ring fills): the ring never holds more than its slots."""
+        if self.pool is None:
+            self.plan(model, optimizer, None)
+        pool = self.pool
+        assert pool is not None and pool.slots, "take() on a ring with no slot"
+        skeleton, tensors = self._state(model, optimizer)
+        used = {id(s) for s in self._slot_of.values()}
+        free = [s for s in pool.slots if id(s) not in used]
+        slot = free[0] if free else self._slot_of[id(self.snapshots[0])]
+        views = pool.carve(slot, Layout.of(tensors))  # a MemoryError keeps the oldest
+        if not free:
+            self._slot_of.pop(id(self.snapshots.popleft()))
+        sources = [t for _, t in tensors]
+        pool.fill(slot, sources, _written_by_forward(model, tensors))
+        host_model, host_optimizer = fill(skeleton, views)
         snapshot = Snapshot(
             step=step,
-            model=_to_host(model.state_dict(), pinned),
-            optimizer=_to_host(optimizer.state_dict(), pinned),
-            scheduler=_to_host(scheduler.state_dict(), False) if scheduler is not None else None,
-            scaler=_to_host(scaler.state_dict(), False) if scaler is not None else None,
+            model=host_model,
+            optimizer=host_optimizer,
+            scheduler=copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
+            scaler=copy.deepcopy(scaler.state_dict()) if scaler is not None else None,
             rng=rng_state(),
             guard=guard_state,  # fresh plain data (state_dicts), kept as given
             data_position=copy.deepcopy(data_position),
             last_warning=last_warning,
+            nbytes=slot.layout.nbytes if slot.layout is not None else 0,
         )
-        snapshot.nbytes = _nbytes(snapshot.model) + _nbytes(snapshot.optimizer)
         self.snapshots.append(snapshot)
+        self._slot_of[id(snapshot)] = slot
         return snapshot
+
+    def before_update(self) -> None:
+        """Before the optimizer writes the state: the training stream waits for the copies."""
+        if self.pool is not None and self.pool.pinned:
+            self.pool.before_update()
 
     def target_for(self, incident: int, margin: int) -> Snapshot | None:
         """The rollback target for an incident whose first step is `incident`: the newest
@@ -185,8 +227,12 @@ class SnapshotRing:
         return self.snapshots[0] if self.snapshots else None
 
     def drop_after(self, step: int) -> None:
-        """Forget snapshots newer than `step` (they belong to a trajectory that was undone)."""
+        """Forget snapshots newer than `step` (they belong to a trajectory that was undone);
+        their slots are free for the next ones."""
         kept = [s for s in self.snapshots if s.step <= step]
+        for s in self.snapshots:
+            if s.step > step:
+                self._slot_of.pop(id(s), None)
         self.snapshots.clear()
         self.snapshots.extend(kept)
 
@@ -194,21 +240,93 @@ class SnapshotRing:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.snapshots)
 
-    @staticmethod
     def restore(
+        self,
         snapshot: Snapshot,
         model: Stateful,
         optimizer: Stateful,
         scheduler: Any,
         scaler: Any,
     ) -> None:
-        """Put model, optimizer, scheduler, scaler and RNGs back as they were at the snapshot."""
-        if _cuda_in_use():
-            torch.cuda.synchronize()  # pinned copies may still be in flight
-        model.load_state_dict(snapshot.model)
-        optimizer.load_state_dict(copy.deepcopy(snapshot.optimizer))
+        """Put model, optimizer, scheduler, scaler and RNGs back as they were at the snapshot:
+        one copy from its host buffer into the live tensors, after the copy that filled it (a
+        wait on the training stream, not the device), where the live state has the snapshot's
+        layout; else through `load_state_dict`."""
+        slot = self._slot_of.get(id(snapshot))
+        self.before_update()  # no copy still reads what is about to be written
+        if not _restore_in_place(snapshot, model, optimizer):
+            if slot is not None:
+                slot.wait_host()
+            model.load_state_dict(snapshot.model)
+            optimizer.load_state_dict(_copied(snapshot.optimizer))
         if scheduler is not None and snapshot.scheduler is not None:
             scheduler.load_state_dict(copy.deepcopy(snapshot.scheduler))
         if scaler is not None and snapshot.scaler is not None:
             scaler.load_state_dict(copy.deepcopy(snapshot.scaler))
         set_rng_state(snapshot.rng)
+
+
+def _wants_pinning(tensors: list[tuple[str, torch.Tensor]]) -> bool:
+    """Whether copies of this state go to pinned memory: some of it lives on a GPU."""
+    return pinning_available() and any(t.is_cuda for _, t in tensors)
+
+
+def _copied(state: Any) -> Any:
+    """A copy of a state dict whose tensors are fresh (a `load_state_dict` may keep the
+    tensors it is given, which must not be the snapshot's buffers)."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    skeleton = flatten(state, "", tensors)
+    return fill(skeleton, [t.clone() for _, t in tensors])
+
+
+def _written_by_forward(model: Stateful, tensors: list[tuple[str, torch.Tensor]]) -> set[int]:
+    """Indices of the tensors that a forward pass may write (a module's buffers, such as
+    BatchNorm's running statistics): every GPU tensor of the model's state that is no
+    parameter; none where no tensor is on a GPU."""
+    if not isinstance(model, nn.Module) or not any(t.is_cuda for _, t in tensors):
+        return set()
+    params = {p.data_ptr() for p in model.parameters()}
+    return {
+        i
+        for i, (key, t) in enumerate(tensors)
+        if key.startswith("model/") and t.data_ptr() not in params
+    }
+
+
+def _restore_in_place(snapshot: Snapshot, model: Stateful, optimizer: Stateful) -> bool:
+    """Copy the snapshot into the live tensors of a module and a torch optimizer whose state has
+    the snapshot's layout (the same entries, shapes and dtypes), and put back the optimizer's
+    plain values; whether it could."""
+    if not isinstance(model, nn.Module) or not isinstance(optimizer, torch.optim.Optimizer):
+        return False
+    saved: list[tuple[str, torch.Tensor]] = []
+    flatten(snapshot.model, "model", saved)
+    flatten(snapshot.optimizer, "optimizer", saved)
+    live: list[tuple[str, torch.Tensor]] = []
+    flatten(model.state_dict(), "model", live)
+    flatten(optimizer.state_dict(), "optimizer", live)
+    if [k for k, _ in live] != [k for k, _ in saved]:
+        return False
+    if not Layout.of(saved).fits([t for _, t in live]):
+        return False
+    with torch.no_grad():
+        foreach_copy_([t for _, t in live], [t for _, t in saved], non_blocking=True)
+    _restore_plain(snapshot.optimizer, optimizer)
+    return True
+
+
+def _restore_plain(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's values that are no tensor (hyperparameters of each group, plain entries
+    of a parameter's state) as the snapshot has them."""
+    for group, kept in zip(optimizer.param_groups, saved["param_groups"], strict=True):
+        for name, value in kept.items():
+            if name != "params" and not isinstance(value, torch.Tensor):
+                group[name] = copy.deepcopy(value)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [i for g in saved["param_groups"] for i in g["params"]]
+    by_id = dict(zip(ids, params, strict=True))
+    for pid, values in saved["state"].items():
+        state = optimizer.state[by_id[pid]]
+        for name, value in values.items():
+            if not isinstance(value, torch.Tensor):
+                state[name] = copy.deepcopy(value)

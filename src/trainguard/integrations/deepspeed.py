@@ -426,11 +426,12 @@ class DeepSpeedGuard(Guard):
         actions = self.recovery.actions
         assert actions is not None
         if decision.action == "step":
+            self.recovery.before_update()  # the device waits for a snapshot's copy, not the host
             actions.step(signals.loss)
             events += self._publish(self.recovery.cut_lr(decision))
             if self.preemptive is not None:
                 events += self._publish(self.preemptive.apply(decision))
-            self.recovery.maybe_snapshot(self.global_step)
+            self._publish(self.recovery.maybe_snapshot(self.global_step))  # about the run
             self._maybe_checkpoint(checkpoint_due)
         else:
             actions.skip()
