@@ -363,6 +363,60 @@ def timed_checkpoint(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {"saved_at": saved_at, "actions": actions}
 
 
+def slow_writer(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Checkpoints every 2 steps, deferred as on a device; rank 0's write of step 2 (its finish:
+    manifest, rename) is held until its step 6, while rank 1's part is written at once: the steps
+    each rank saved, whether its own writer was busy at step 4, and the deferrals it was told of."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainguard.actions.checkpoints import CheckpointStore
+
+    release = out / "release"
+    original = CheckpointStore._finish
+
+    def held(self: CheckpointStore, step: int, *args: Any) -> None:
+        deadline = time.monotonic() + 60
+        while step == 2 and not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        original(self, step, *args)
+
+    CheckpointStore._finish = held  # type: ignore[method-assign]
+    model, data = model_and_data(rank, 9)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    recovery = {"checkpoint_every": 2, "keep_checkpoints": 10}
+    cfg = tg.GuardConfig.from_dict({"console": False, "recovery": recovery})
+    guard = tg.Guard(ddp, opt, config=cfg, run_dir=out)
+    assert guard.checkpointing is not None and guard.checkpoints is not None
+    guard.checkpointing.defers = True  # as on a device
+    saved_at: list[int] = []
+    save = guard.save_checkpoint
+
+    def recorded() -> None:
+        saved_at.append(guard.global_step)
+        save()
+
+    guard.save_checkpoint = recorded  # type: ignore[method-assign]
+    deferred, busy_at_4 = [], None
+    for i, (x, y) in enumerate(guard.batches(data)):
+        if i == 3:
+            busy_at_4 = guard.checkpoints.writing
+        loss = nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        decision = guard.step(loss)
+        deferred += [[e.step, e.severity] for e in decision.events if e.kind == "checkpoint"]
+        if i == 1 and rank == 1:  # its part of step 2 written (rank 0's finish is not)
+            guard.checkpoints.wait()
+        if i == 5 and rank == 0:
+            release.touch()
+        if i >= 5:  # each write over before the next step: the steps saved are exact
+            guard.checkpoints.wait()
+    guard.close()
+    CheckpointStore._finish = original  # type: ignore[method-assign]
+    return {"saved_at": saved_at, "deferred": deferred, "busy_at_4": busy_at_4}
+
+
 def exchange_compare(rank: int, world: int, out: Path) -> dict[str, Any]:
     """The same planted faults through the `gather` and the `reduce` exchange: a NaN loss on
     rank 1 at step 30 and on ranks 0 and 2 at step 45 (two named), rank 2's loss x50 at steps
@@ -434,6 +488,7 @@ SCENARIOS = {
     "precursors_agree": precursors_agree,
     "exchange_compare": exchange_compare,
     "timed_checkpoint": timed_checkpoint,
+    "slow_writer": slow_writer,
     "fsdp_checkpoint": fsdp_checkpoint,
     "nan_on_rank1": nan_on_rank1,
     "toxic_on_rank2": toxic_on_rank2,

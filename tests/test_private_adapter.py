@@ -153,6 +153,23 @@ def test_dispatch_mode_and_current_autograd_node() -> None:
     assert tp.current_autograd_node() is None, "current_autograd_node"
 
 
+def test_tensor_version() -> None:
+    weight = nn.Linear(2, 2).weight
+    before = tp.tensor_version(weight)
+    with torch.no_grad():
+        weight.mul_(2.0)
+    assert tp.tensor_version(weight) == before + 1, "tensor_version: an in-place write not counted"
+    detached = weight.detach()  # a state dict's tensor shares the counter of its parameter
+    with torch.no_grad():
+        detached.add_(1.0)
+    assert tp.tensor_version(weight) == before + 2, "tensor_version: not shared with .detach()"
+    weight.data.mul_(2.0)
+    assert tp.tensor_version(weight) == before + 2, (
+        "tensor_version: a .data write is now counted; the checkpoint stager's forget_all calls "
+        "could be dropped"
+    )
+
+
 def test_compiled_original() -> None:
     model = nn.Linear(2, 2)
     assert tp.compiled_original(torch.compile(model)) is model, "compiled_original"

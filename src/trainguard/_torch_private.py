@@ -34,6 +34,7 @@ __all__ = [
     "mark_step_wrapped",
     "scaler_found_inf",
     "scaler_scale",
+    "tensor_version",
 ]
 
 # -- multi-tensor kernels (torch.foreach is public only after 2.13) ----------------------------
@@ -108,6 +109,12 @@ def mark_optimizer_stepped(optimizer: Any) -> None:
 
 
 # -- autograd, dispatch, torch.compile, DCP --------------------------------------------------
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's autograd version counter: bumped by every in-place write through autograd
+    (not through `.data`, nor by fused optimizer kernels); no public API reads it."""
+    return int(tensor._version)
 
 
 def current_autograd_node() -> Any:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainguard.actions.checkpoint_files import DamagedCheckpoint, passed_over
 from trainguard.actions.checkpoints import (
@@ -46,6 +47,16 @@ def set_aside(directory: Path, newest: str, warn: Warn, hint: str) -> bool:
     return True
 
 
+def _address(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return int(local.data_ptr())
+
+
+def _frozen_addresses(model: nn.Module) -> set[int]:
+    """Where the model's frozen parameters (those that require no grad) lie."""
+    return {_address(p) for p in model.parameters() if not p.requires_grad}
+
+
 class Checkpointing:
     """Writes the training state with the guard's own state to `run_dir/checkpoints` and finds
     the newest one that verifies and fits the live objects, on every rank alike."""
@@ -70,6 +81,8 @@ class Checkpointing:
         self.last_good: int | None = None  # the newest checkpoint taken in a healthy window
         self.good_steps: list[int] = []  # every checkpoint this run took in a healthy window
         self.continues_a_run = False  # resumed, or given a state: the checkpoints are its own
+        self._defers: bool | None = None  # decided at the first step (the model placed by then)
+        self.prepared = False  # the staging buffers' layout handed to the store once
 
     def save(
         self,
@@ -93,6 +106,7 @@ class Checkpointing:
             tensors, plain = sharded_training_state(
                 self.model, self.optimizer, self.scheduler, self.scaler, self.ranks.rank
             )
+        self.store.note_frozen(_frozen_addresses(self.model))
         plain.update(
             {
                 "guard": guard_state,
@@ -103,6 +117,45 @@ class Checkpointing:
         )
         self.store.save(step, tensors, plain, manifest)
         self.report_errors()
+
+    @property
+    def defers(self) -> bool:
+        """Whether a due checkpoint is deferred while the last is written: where the model lives
+        on a device. On the host it waits instead (exact steps; the writer shares the training's
+        cores)."""
+        if self._defers is None:
+            self._defers = any(p.device.type != "cpu" for p in self.model.parameters())
+        return self._defers
+
+    @defers.setter
+    def defers(self, value: bool) -> None:
+        self._defers = value
+
+    @property
+    def busy(self) -> bool:
+        """Whether a checkpoint now would wait on this thread (where checkpoints are deferred):
+        the previous one is still being written, or the staging buffers still allocated."""
+        return self.defers and (self.store.writing or self.store.preparing)
+
+    def prepare(self) -> None:
+        """Once the optimizer has state (in a distributed run at the first step taken, on every
+        rank alike): allocate the staging buffers in the background, where checkpoints defer."""
+        if self.prepared or not self.defers or (self.ranks is None and not self.optimizer.state):
+            return
+        self.prepared = True
+        if self.ranks is None:
+            tensors, _ = training_state(self.model, self.optimizer, None, None)
+        else:
+            tensors, _ = sharded_training_state(
+                self.model, self.optimizer, None, None, self.ranks.rank
+            )
+        self.store.prepare({**tensors, "trainguard": {"step": torch.zeros((), dtype=torch.int64)}})
+        self.report_errors()
+
+    def forget_staged(self) -> None:
+        """After the guard wrote weights in a way no version counter may see (a rollback, a
+        replica resync, a rescale): the next checkpoint copies and hashes every tensor."""
+        self.store.forget_staged()
 
     def known_good_at_or_before(self, step: int) -> int | None:
         """The step of the newest complete checkpoint this run took in a healthy window at or

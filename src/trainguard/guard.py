@@ -69,6 +69,11 @@ class Guard(Monitor):
     schedule a framework steps (not the guard), is what the lint traces.
     """
 
+    # a due checkpoint put off while the last is written: (step, clock, warned); and the
+    # rollbacks the checkpoint stager was told of (class defaults: subclasses set up their own)
+    _deferred_checkpoint: tuple[int, float, bool] | None = None
+    _rollbacks_staged = 0
+
     def __init__(
         self,
         model: nn.Module | None = None,
@@ -268,6 +273,8 @@ class Guard(Monitor):
             return []
         dropped = self.recovery.set_aside_after(decision.agreed_step)
         self._recheck = True
+        if self.checkpointing is not None:  # weights written behind the stager's back
+            self.checkpointing.forget_staged()
         return self._publish(self._resync.apply(decision, dropped))
 
     def _open_files(self) -> None:
@@ -328,6 +335,7 @@ class Guard(Monitor):
         self._take_precursors(step, measurement, token_accuracy)
         batches = self.recovery.batches
         checkpoint_due = self._checkpoint_due_by_time()
+        checkpoint_busy: bool | None = None  # this rank's writer alone, outside a distributed run
         if self.exchange is not None:  # every rank's named row, in the step's one collective
             self.exchange.share(
                 measurement,
@@ -336,6 +344,7 @@ class Guard(Monitor):
                 data_wait=batches.data_wait if batches is not None else 0.0,
                 last_step_time=self.recorder.last_step_time,
                 checkpoint_due=checkpoint_due,
+                checkpoint_busy=self._checkpoint_busy(),
             )
         parts.actions.clip(parts.stats.params, measurement.total_norm)
         signals = parts.stats.resolve(measurement)
@@ -347,6 +356,7 @@ class Guard(Monitor):
         if self.exchange is not None:
             self.exchange.add_rank_figures(point, signals.extra)
             checkpoint_due = self.exchange.checkpoint_due  # any rank's clock: due on all
+            checkpoint_busy = self.exchange.checkpoint_busy  # any rank's writer: all defer
         # detect and decide
         decision, events = self._decide(
             point, batch_ids, self.recovery.has_target, parts.stats.group_report
@@ -376,7 +386,7 @@ class Guard(Monitor):
                 )
                 events += self._publish(taken)
             self._publish(self.recovery.maybe_snapshot(self.global_step))  # about the run
-            self._maybe_checkpoint(checkpoint_due)
+            events += self._maybe_checkpoint(checkpoint_due, checkpoint_busy)
         else:
             parts.stats.discard_update()
             self.recovery.before_update()  # a resync or a restore writes what may be copied
@@ -513,18 +523,97 @@ class Guard(Monitor):
             self._last_checkpoint_at = now
         return now - self._last_checkpoint_at >= every_s
 
-    def _maybe_checkpoint(self, due_by_time: bool) -> None:
+    def _checkpoint_busy(self) -> bool:
+        """Whether a checkpoint now would wait on the training thread (the previous one still
+        written, or its buffers still allocated): then a due one is deferred."""
+        return self.checkpointing is not None and self.checkpointing.busy
+
+    def _maybe_checkpoint(self, due_by_time: bool, busy: bool | None = None) -> list[Event]:
         """A checkpoint every `checkpoint_every` steps, or where the time is due (agreed by every
-        rank in a distributed run), whichever comes first."""
+        rank in a distributed run), whichever comes first; deferred to a later step while
+        `busy` (any rank's writer, agreed; None: this guard's own). The events it gives."""
         every = self.config.recovery.checkpoint_every
+        checkpointing = self.checkpointing
         if not self._saves_checkpoints:
-            return
-        if due_by_time or (every and self.global_step % every == 0):
-            self.save_checkpoint()
+            return []
+        if checkpointing is not None:
+            rollbacks = self.action_counts["rollback"]
+            if self._weights_rewritten or rollbacks != self._rollbacks_staged:
+                self._rollbacks_staged = rollbacks  # weights written behind the stager's back
+                checkpointing.forget_staged()
+            checkpointing.prepare()
+        due = due_by_time or bool(every and self.global_step % every == 0)
+        if not due and self._deferred_checkpoint is None:
+            return []
+        if busy is None:
+            busy = self._checkpoint_busy()
+        if busy:
+            return self._defer_checkpoint()
+        self._deferred_checkpoint = None
+        self.save_checkpoint()
+        return []
+
+    def _defer_checkpoint(self) -> list[Event]:
+        """Defer a due checkpoint to the next step the writer is free: said once, and warned once
+        when it has waited for a whole checkpoint interval."""
+        step, now = self.global_step, self.checkpoint_clock()
+        if self._deferred_checkpoint is None:
+            self._deferred_checkpoint = (step, now, False)
+            writing = self._writing_step()
+            if writing is not None:
+                what = f"the checkpoint of step {writing} is still being written"
+            elif self.checkpoints is not None and self.checkpoints.preparing:
+                what = "the checkpoint buffers are still being allocated"
+            else:
+                what = "another rank is still writing the last checkpoint"
+            metrics: dict[str, Any] = {"deferred_step": step}
+            if writing is not None:
+                metrics["writing_step"] = writing
+            return self._checkpoint_event(
+                "info",
+                f"checkpoint deferred at step {step}: {what}; it is taken at the first step "
+                "the writer is free",
+                metrics,
+            )
+        since, at, warned = self._deferred_checkpoint
+        recovery = self.config.recovery
+        every, every_s = recovery.checkpoint_every, recovery.checkpoint_every_s
+        late = bool(every and step - since >= every) or (
+            every_s is not None and now - at >= every_s
+        )
+        if not late or warned:
+            return []
+        self._deferred_checkpoint = (since, at, True)
+        return self._checkpoint_event(
+            "warning",
+            f"the checkpoint due at step {since} is still deferred at step {step}, a whole "
+            "checkpoint interval: writing one takes longer than the interval; raise "
+            "recovery.checkpoint_every (or checkpoint_every_s), or write to faster storage",
+            {"deferred_step": since, "steps_deferred": step - since},
+        )
+
+    def _writing_step(self) -> int | None:
+        """The step of the checkpoint this rank is still writing, None when none is."""
+        store = self.checkpoints
+        return store.writing_step if store is not None and store.writing else None
+
+    def _checkpoint_event(
+        self, severity: Severity, message: str, metrics: dict[str, Any]
+    ) -> list[Event]:
+        event = Event(
+            step=self.global_step,
+            kind=EventKind.CHECKPOINT,
+            severity=severity,
+            message=message,
+            metrics=metrics,
+        )
+        return self._publish([event])
 
     def save_checkpoint(self) -> None:
         """Write a durable checkpoint of the state at the start of the next step (asynchronous
-        by default: this blocks only while the tensors are staged)."""
+        by default: this blocks only while the tensors are staged). Called by hand, it first
+        waits for a checkpoint still being written (so may `close()` and a halt); a checkpoint
+        the guard finds due is deferred instead, never waited for."""
         if self.checkpointing is None:
             raise TrainguardError(
                 "checkpoints need a model, an optimizer and a run_dir: build "
@@ -683,6 +772,9 @@ class Guard(Monitor):
 
     def _before_close(self) -> None:
         if self.checkpointing is not None:
+            if self._deferred_checkpoint is not None and not self.action_counts["halt"]:
+                self._deferred_checkpoint = None  # the one still deferred: taken, once the
+                self.save_checkpoint()  # last write is over (on every rank alike)
             self.checkpointing.wait()
 
 

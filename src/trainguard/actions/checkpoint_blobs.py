@@ -121,22 +121,24 @@ class DigestMemory:
     only when its file changed."""
 
     def __init__(self) -> None:
-        self.digests: dict[int, tuple[str, int]] = {}  # buffer address -> (digest, bytes)
+        # (buffer address, bytes) -> digest: a view of no bytes shares its address with the next
+        self.digests: dict[tuple[int, int], str] = {}
         self.seen: dict[str, StatKey] = {}  # blob digest -> its file when written or verified
 
+    @staticmethod
+    def _key(data: torch.Tensor) -> tuple[int, int]:
+        return data.data_ptr(), data.numel() * data.element_size()
+
     def forget(self, buffer: torch.Tensor) -> None:
-        self.digests.pop(buffer.data_ptr(), None)
+        self.digests.pop(self._key(buffer), None)
 
     def known(self, data: torch.Tensor) -> str | None:
         """The digest of a whole staged buffer whose bytes have not changed since it was hashed."""
-        entry = self.digests.get(data.data_ptr())
-        if entry is None or entry[1] != data.numel() * data.element_size():
-            return None
-        return entry[0]
+        return self.digests.get(self._key(data))
 
     def remember(self, data: torch.Tensor, digest: str, buffers: set[int]) -> None:
         if data.data_ptr() in buffers:
-            self.digests[data.data_ptr()] = (digest, data.numel() * data.element_size())
+            self.digests[self._key(data)] = digest
 
     def clear(self) -> None:
         self.digests.clear()
@@ -155,8 +157,10 @@ class BlobWriter(StorageWriter):
         buffers: set[int],
         step: int | None = None,
         warn: Callable[[str], None] | None = None,
+        ready: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
+        self.ready = ready  # blocks until the staged buffers hold their copies (writer thread)
         self.blobs = blobs
         self.memory = memory
         self.buffers = buffers  # addresses of the stager's buffers, whose digests may be kept
@@ -186,6 +190,8 @@ class BlobWriter(StorageWriter):
     def write_data(
         self, plan: SavePlan, planner: SavePlanner
     ) -> torch.futures.Future[list[WriteResult]]:
+        if self.ready is not None:
+            self.ready()
         results: list[WriteResult] = []
         touched = False
         for item in plan.items:

@@ -20,13 +20,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
-from trainguard._torch_private import foreach_copy_
+from trainguard._torch_private import foreach_copy_, tensor_version
 from trainguard.actions.checkpoint_blobs import (
     BLOBS,
     BlobReader,
@@ -56,6 +59,7 @@ from trainguard.actions.checkpoint_files import (
     tensor_entries,
     verify_manifest,
 )
+from trainguard.actions.host_memory import Layout, allocate, carve
 from trainguard.actions.snapshots import rng_from_plain, rng_state, rng_to_plain, set_rng_state
 from trainguard.distributed.context import RankContext
 from trainguard.events import TrainguardError, _utc_now
@@ -108,77 +112,254 @@ def step_of(path: Path) -> int:
     return int(path.name[len(PREFIX) :])
 
 
+def _on_device(tensor: torch.Tensor) -> bool:
+    """A tensor off the host: judged unchanged by its version counter, not by its bytes."""
+    return tensor.device.type != "cpu"
+
+
+def _leaves(value: Any, key: str, out: list[tuple[str, torch.Tensor]]) -> None:
+    """Every tensor of a nested state dict by its dotted key (a DTensor: this rank's shard)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _leaves(v, f"{key}.{k}", out)
+    elif isinstance(value, DTensor):
+        out.append((key, value.to_local().detach()))
+    elif isinstance(value, torch.Tensor):
+        out.append((key, value.detach()))
+
+
+def _rebuild(value: Any, key: str, views: dict[str, torch.Tensor]) -> Any:
+    """The state dict with each tensor replaced by its staged view (a DTensor keeps its place)."""
+    if isinstance(value, dict):
+        return {k: _rebuild(v, f"{key}.{k}", views) for k, v in value.items()}
+    if isinstance(value, DTensor):
+        return DTensor.from_local(
+            views[key],
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    if isinstance(value, torch.Tensor):
+        return views[key]
+    return value
+
+
+class _Staging:
+    """One host buffer (pinned for device tensors) carved into a view per tensor of a layout."""
+
+    def __init__(self, layout: Layout, buffer: torch.Tensor) -> None:
+        self.layout = layout
+        self.buffer = buffer
+        self.views = dict(zip((e.key for e in layout.entries), carve(buffer, layout), strict=True))
+
+
 class BufferStager(AsyncStager):
-    """Stages a checkpoint into CPU buffers kept from one checkpoint to the next (pinned for GPU
-    tensors), with one fused copy: no allocation and no page faults after the first time. With
-    `memory`, a CPU tensor whose bytes equal its buffer's is compared, not copied, and its
-    buffer keeps the digest it had (a changed one is copied and its digest forgotten)."""
+    """Stages a checkpoint by one copy into host buffers reused from save to save (pinned for
+    device tensors, copied on a side stream whose event the writer waits for), skipping what is
+    known unchanged: a host tensor whose bytes equal its view's (with `memory`), a frozen device
+    parameter whose version counter and address are the same."""
 
     _synchronize_after_execute = False
 
     def __init__(self, memory: DigestMemory | None = None) -> None:
-        self.buffers: dict[str, torch.Tensor] = {}
         self.memory = memory
-        self.addresses: set[int] = set()  # where the buffers are, for `DigestMemory.remember`
+        self.addresses: set[int] = set()  # where the views are, for `DigestMemory.remember`
+        self.by_version: Callable[[torch.Tensor], bool] = _on_device  # else judged by bytes
+        self.frozen: set[int] = set()  # addresses of frozen parameters: the only ones skipped
+        self.copied_bytes = 0  # bytes the last `stage` copied
+        self._groups: dict[bool, _Staging] = {}  # pinned or not -> its buffer and views
+        self._marks: dict[str, tuple[int, int]] = {}  # key -> (version, address) when staged
+        self._held: dict[str, Any] = {}  # key -> the storage of that staged tensor
+        self._events: list[Any] = []  # the last copy's CUDA events, for the writer to wait on
+        self._streams: dict[int, Any] = {}  # a side copy stream per CUDA device
+        self._prepared: dict[bool, _Staging] = {}  # allocated in the background, not yet in use
+        self._preparing: threading.Thread | None = None
+        self.prepare_error: str | None = None  # why the background allocation failed
 
+    # -- buffers ----------------------------------------------------------------------------------
+    @staticmethod
+    def _layouts(leaves: list[tuple[str, torch.Tensor]]) -> dict[bool, Layout]:
+        groups: dict[bool, list[tuple[str, torch.Tensor]]] = {}
+        for key, tensor in leaves:
+            groups.setdefault(tensor.is_cuda, []).append((key, tensor))
+        return {pinned: Layout.of(items) for pinned, items in groups.items()}
+
+    def prepare(self, state_dict: dict[str, Any]) -> None:
+        """Allocate (and pin) the device tensors' buffer in a background thread, so that no save
+        allocates on the training thread; `preparing` until it is done."""
+        if self.preparing:
+            return
+        leaves: list[tuple[str, torch.Tensor]] = []
+        _leaves(state_dict, "", leaves)
+        layout = self._layouts(leaves).get(True)
+        have = self._groups.get(True) or self._prepared.get(True)
+        if layout is None or (have is not None and have.layout == layout):
+            return
+
+        def allocate_pinned() -> None:
+            try:
+                self._prepared[True] = _Staging(layout, allocate(layout.nbytes, pinned=True))
+            except (MemoryError, RuntimeError) as exc:
+                self.prepare_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+        self._preparing = threading.Thread(
+            target=allocate_pinned, name="trainguard-checkpoint-buffers", daemon=True
+        )
+        self._preparing.start()
+
+    @property
+    def preparing(self) -> bool:
+        """Whether the background allocation of `prepare` is still going on."""
+        return self._preparing is not None and self._preparing.is_alive()
+
+    def _staging(self, pinned: bool, layout: Layout) -> _Staging:
+        """The buffer of a group for `layout`: the one in use, the one prepared, or a new one (on
+        the calling thread: the layout changed, or nothing was prepared)."""
+        current = self._groups.get(pinned)
+        if current is not None and current.layout == layout:
+            return current
+        if self._preparing is not None:
+            self._preparing.join()  # an explicit save while preparing: the only wait for it
+            self._preparing = None
+        staging = self._prepared.pop(pinned, None)
+        if staging is None or staging.layout != layout:
+            staging = _Staging(layout, allocate(layout.nbytes, pinned))
+        if current is not None:
+            self._retire(current)
+        for view in staging.views.values():
+            self.addresses.add(view.data_ptr())
+            if self.memory is not None:
+                self.memory.forget(view)
+        self._groups[pinned] = staging
+        return staging
+
+    def _retire(self, staging: _Staging) -> None:
+        for key, view in staging.views.items():
+            self.addresses.discard(view.data_ptr())
+            self._marks.pop(key, None)
+            self._held.pop(key, None)
+            if self.memory is not None:
+                self.memory.forget(view)
+
+    # -- staging ----------------------------------------------------------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        leaves: list[tuple[str, torch.Tensor]] = []
+        _leaves(state_dict, "", leaves)
+        views: dict[str, torch.Tensor] = {}
+        for pinned, layout in self._layouts(leaves).items():
+            views.update(self._staging(pinned, layout).views)
         sources: list[torch.Tensor] = []
         targets: list[torch.Tensor] = []
-        staged = self._walk(state_dict, "", sources, targets)
-        if sources:
-            foreach_copy_(targets, sources, non_blocking=True)
-            if any(t.is_cuda for t in sources):
-                torch.cuda.synchronize()
-        return staged  # type: ignore[no-any-return]
+        try:
+            for key, src in leaves:
+                view = views[key]
+                if self._unchanged(key, src, view):
+                    continue
+                if self.memory is not None:
+                    self.memory.forget(view)
+                sources.append(src)
+                targets.append(view)
+            self._copy(sources, targets)
+        except BaseException:
+            self.forget_all()  # a copy cut short: no view is known to hold what it held
+            raise
+        self.copied_bytes = sum(t.numel() * t.element_size() for t in targets)
+        return _rebuild(state_dict, "", views)  # type: ignore[no-any-return]
 
-    def _walk(
-        self, value: Any, key: str, sources: list[torch.Tensor], targets: list[torch.Tensor]
-    ) -> Any:
-        if isinstance(value, dict):
-            return {k: self._walk(v, f"{key}.{k}", sources, targets) for k, v in value.items()}
-        if not isinstance(value, torch.Tensor):
-            return value
-        if isinstance(value, DTensor):  # stage this rank's shard, keep its place in the whole
-            local = self._walk(value.to_local(), key, sources, targets)
-            return DTensor.from_local(
-                local,
-                value.device_mesh,
-                value.placements,
-                run_check=False,
-                shape=value.shape,
-                stride=value.stride(),
-            )
-        src = value.detach()
-        buffer = self.buffers.get(key)
-        if buffer is None or buffer.shape != src.shape or buffer.dtype != src.dtype:
-            if buffer is not None:
-                self._drop(buffer)
-            buffer = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
-            self.buffers[key] = buffer
-            self.addresses.add(buffer.data_ptr())
-            if self.memory is not None:
-                self.memory.forget(buffer)
-        elif self.memory is not None:
-            if not src.is_cuda and src.is_contiguous() and same_bytes(src, buffer):
-                return buffer  # unchanged: its buffer holds these bytes, its digest stays
-            self.memory.forget(buffer)
-        sources.append(src)
-        targets.append(buffer)
-        return buffer
+    def _unchanged(self, key: str, src: torch.Tensor, view: torch.Tensor) -> bool:
+        """Whether `view` already holds `src`'s bytes: no copy, no hash. By version counter only a
+        frozen parameter (fused optimizers and BatchNorm bump none), its storage held meanwhile."""
+        if self.by_version(src):
+            mark = (tensor_version(src), src.data_ptr())
+            before = self._marks.pop(key, None)
+            self._held.pop(key, None)
+            if src.data_ptr() not in self.frozen:
+                return False
+            self._marks[key] = mark
+            self._held[key] = src.untyped_storage()
+            return before == mark
+        return (
+            self.memory is not None
+            and not src.is_cuda
+            and src.is_contiguous()
+            and same_bytes(src, view)
+        )
 
-    def _drop(self, buffer: torch.Tensor) -> None:
-        self.addresses.discard(buffer.data_ptr())
+    def _copy(self, sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        """Host tensors copied here; device tensors on a side stream after the current stream's
+        work, which then waits on the device for the copy (`wait_copied` waits on the host)."""
+        self._events = []
+        by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for src, dst in zip(sources, targets, strict=True):
+            pair = by_device.setdefault(src.device, ([], []))
+            pair[0].append(src)
+            pair[1].append(dst)
+        for device, (srcs, dsts) in by_device.items():
+            if device.type != "cuda":
+                foreach_copy_(dsts, srcs)
+                continue
+            with torch.cuda.device(device):
+                current = torch.cuda.current_stream()
+                stream = self._streams.get(device.index or 0)
+                if stream is None:
+                    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+                    self._streams[device.index or 0] = stream
+                stream.wait_stream(current)  # an event on the current stream, waited on the side
+                with torch.cuda.stream(stream):
+                    foreach_copy_(dsts, srcs, non_blocking=True)
+                copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                copied.record(stream)
+                current.wait_event(copied)  # later writes to a source wait for its copy
+                for src in srcs:
+                    src.record_stream(stream)  # no source's memory is reused before its copy
+                self._events.append(copied)
+
+    def wait_copied(self) -> None:
+        """Block (in the writer thread) until the last stage's device copies are in the buffers."""
+        for event in self._events:
+            event.synchronize()
+
+    def forget_all(self) -> None:
+        """Forget what each view is known to hold (after a write that bumped no version counter,
+        such as one through `.data`): the next save copies and hashes everything again."""
+        self._marks.clear()
+        self._held.clear()
         if self.memory is not None:
-            self.memory.forget(buffer)
+            for staging in self._groups.values():
+                for view in staging.views.values():
+                    self.memory.forget(view)
 
     def synchronize_staging(self) -> None:
-        """Staging is complete when `stage` returns."""
+        """Staging is queued when `stage` returns; the writer waits for it (`wait_copied`)."""
 
     def close(self) -> None:
-        self.buffers.clear()
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+        self._groups.clear()
+        self._prepared.clear()
+        self._marks.clear()
+        self._held.clear()
+        self._events = []
         self.addresses.clear()
         if self.memory is not None:
             self.memory.clear()
+
+
+class _StagedFileWriter(FileSystemWriter):
+    """DCP's own file writer, which first waits (in the writer thread) for the staging copies."""
+
+    def __init__(self, path: Path, ready: Callable[[], None]) -> None:
+        super().__init__(path)
+        self._ready = ready
+
+    def write_data(
+        self, plan: SavePlan, planner: SavePlanner
+    ) -> torch.futures.Future[list[WriteResult]]:
+        self._ready()
+        return super().write_data(plan, planner)
 
 
 def check_checkpoint_folders(directory: Path) -> None:
@@ -216,6 +397,7 @@ class CheckpointStore:
         self.keep = keep
         self.asynchronous = asynchronous
         self._pending: threading.Event | None = None  # set once the write is finished
+        self.writing_step: int | None = None  # the step of the last write begun
         self._lock = threading.Lock()
         self.errors: list[str] = []  # lines the writer has to say (failures, repairs), each once
         self._foreign_said = False  # the blobs folder lies elsewhere: said once
@@ -231,8 +413,9 @@ class CheckpointStore:
         manifest: dict[str, Any],
     ) -> None:
         """Stage the tensors (the only part that blocks training) and write in the background.
-        A failure of any kind (a full disk, DCP's own) is kept in `errors`, never raised, and
-        leaves no temporary folder and every older checkpoint."""
+        Waits first for a previous write still going on (the guard defers a due checkpoint
+        instead, while `writing`). A failure of any kind (a full disk, DCP's own) is kept in
+        `errors`, never raised, and leaves no temporary folder and every older checkpoint."""
         self.wait()
         ranks = self.ranks
         token = ranks.token if ranks is not None else uuid.uuid4().hex[:8]
@@ -242,6 +425,7 @@ class CheckpointStore:
         tensors = {**tensors, "trainguard": {"step": torch.tensor(step, dtype=torch.int64)}}
         finished = threading.Event()
         self._pending = finished
+        self.writing_step = step
         try:
             if ranks is None:
                 make_folder(self.directory)
@@ -280,7 +464,14 @@ class CheckpointStore:
             _quiet_writer_thread()
         writer = None
         if self._memory is not None:
-            writer = BlobWriter(self.blobs, self._memory, self._stager.addresses, step, self._say)
+            writer = BlobWriter(
+                self.blobs,
+                self._memory,
+                self._stager.addresses,
+                step,
+                self._say,
+                self._stager.wait_copied,
+            )
             self.written = {}
 
             def count(done: concurrent.futures.Future[Any]) -> None:
@@ -291,7 +482,7 @@ class CheckpointStore:
                 started = dcp_async_save(
                     tensors,
                     checkpoint_id=tmp,
-                    storage_writer=writer,
+                    storage_writer=writer or _StagedFileWriter(tmp, self._stager.wait_copied),
                     no_dist=no_dist,
                     async_stager=self._stager,
                     process_group=self.group,
@@ -313,6 +504,33 @@ class CheckpointStore:
             future: concurrent.futures.Future[None] = concurrent.futures.Future()
             future.set_result(None)
             return future
+
+    def prepare(self, tensors: dict[str, Any]) -> None:
+        """Allocate the staging buffers for tensors of this layout in the background."""
+        self._stager.prepare(tensors)
+        if self._stager.prepare_error is not None:
+            error, self._stager.prepare_error = self._stager.prepare_error, None
+            self._say(f"the checkpoint buffers could not be allocated in the background ({error})")
+
+    @property
+    def preparing(self) -> bool:
+        """Whether the staging buffers are still being allocated in the background."""
+        return self._stager.preparing
+
+    @property
+    def copied(self) -> int:
+        """Bytes the last save copied into its staging buffers (unchanged tensors are not)."""
+        return self._stager.copied_bytes
+
+    def forget_staged(self) -> None:
+        """After a write to the weights that no version counter saw: the next save copies and
+        hashes every tensor again."""
+        self._stager.forget_all()
+
+    def note_frozen(self, addresses: set[int]) -> None:
+        """The addresses of the frozen parameters: the only device tensors that may be found
+        unchanged by their version counter (every other one is copied at each save)."""
+        self._stager.frozen = addresses
 
     def _say(self, line: str) -> None:
         """Keep a line for the next step's `checkpoint` warning (from any thread)."""

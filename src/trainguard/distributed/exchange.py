@@ -33,7 +33,8 @@ class RankRow:
     own_sq: torch.Tensor  # squared norm of its gradients before DDP averages them; NaN: unmeasured
     step_time: torch.Tensor  # seconds of data wait and compute
     data_wait: torch.Tensor
-    checkpoint_due: torch.Tensor  # 1 where this rank's clock says a timed checkpoint is due
+    # 1 where this rank's clock says a timed checkpoint is due, plus 2 where its writer is busy
+    checkpoint_due: torch.Tensor
     group_shard_sq: torch.Tensor  # `shard_sq` per layer group
 
     def pack(self) -> torch.Tensor:
@@ -80,6 +81,7 @@ class StepExchange:
         self.context = context
         self.calls = 0  # collectives made, for tests and benchmarks
         self.checkpoint_due = False  # whether any rank's clock said a checkpoint is due
+        self.checkpoint_busy = False  # whether any rank's checkpoint writer was busy
 
     def gather(self, vector: torch.Tensor) -> torch.Tensor:
         ctx = self.context
@@ -99,11 +101,13 @@ class StepExchange:
         data_wait: float,
         last_step_time: float | None,
         checkpoint_due: bool = False,
+        checkpoint_busy: bool = False,
     ) -> None:
         """The step's one collective: every rank's loss, non-finite count, shard norms, own
-        gradient norm before the reduction (from the DDP `hook`), timings and whether its clock
-        says a checkpoint is due; the measurement's figures become global, and the per-rank ones
-        (then whether any rank's checkpoint is due) ride along in `m.extra` to the host.
+        gradient norm before the reduction (from the DDP `hook`), timings, whether its clock
+        says a checkpoint is due and whether its writer is busy; the measurement's figures
+        become global, and the per-rank ones (then the checkpoint flags of all ranks, as
+        1 for due plus 2 for busy) ride along in `m.extra` to the host.
 
         The step's compute runs from when its batch was ready (`ready_at`, else the end of the
         last step) to when the hook saw its first bucket (else now)."""
@@ -114,7 +118,8 @@ class StepExchange:
         end = hook.first_ready if hook is not None and hook.first_ready is not None else now
         compute = end - start if start is not None else math.nan
         timing = torch.tensor(
-            [data_wait + compute, data_wait, float(checkpoint_due)], device=device
+            [data_wait + compute, data_wait, float(checkpoint_due) + 2.0 * float(checkpoint_busy)],
+            device=device,
         )
         loss, nonfinite = m.rank_figures()
         assert m.shard_sq is not None and m.group_shard_sq is not None
@@ -135,15 +140,19 @@ class StepExchange:
             shard_sq=columns.shard_sq,
             group_shard_sq=columns.group_shard_sq,
         )
-        m.extra = torch.cat([columns.per_rank(), columns.checkpoint_due.max().reshape(1)])
+        flags = columns.checkpoint_due
+        due, busy = (flags % 2).max(), (flags >= 2).to(flags.dtype).max()
+        m.extra = torch.cat([columns.per_rank(), (due + 2 * busy).reshape(1)])
         if hook is not None:
             hook.reset()
 
     def add_rank_figures(self, point: "MetricPoint", extra: list[float]) -> None:
         """Per-rank columns of the exchange, once on the host (`StepSignals.extra`): each rank's
         loss, own gradient norm (left out when no DDP hook measured any), step time, data wait;
-        then whether a timed checkpoint is due on every rank."""
-        self.checkpoint_due = bool(extra[-1] > 0)
+        then whether a timed checkpoint is due on any rank (1) and any rank's writer busy (2)."""
+        flags = int(extra[-1])
+        self.checkpoint_due = bool(flags & 1)
+        self.checkpoint_busy = bool(flags & 2)
         width = len(_PER_RANK)
         rows = [extra[r * width : (r + 1) * width] for r in range(self.context.world_size)]
         column = {name: [row[i] for row in rows] for i, name in enumerate(_PER_RANK)}

@@ -98,7 +98,8 @@ class ReduceExchange:
         self.straggler = straggler
         self.calls = 0  # collectives made, for tests and benchmarks
         self.rounds = 0  # of them, the rare rounds that named ranks
-        self.checkpoint_due = False
+        self.checkpoint_due = False  # whether any rank's clock said a checkpoint is due
+        self.checkpoint_busy = False  # whether any rank's checkpoint writer was busy
         self.bytes_sent = 0  # payload of this rank's reductions so far
         self._keys: torch.Tensor | None = None  # this step's key per category, on the device
         self._detail: torch.Tensor | None = None  # what it sends if named, per category
@@ -122,10 +123,12 @@ class ReduceExchange:
         data_wait: float,
         last_step_time: float | None,
         checkpoint_due: bool = False,
+        checkpoint_busy: bool = False,
     ) -> None:
         """The step's two reductions: the measurement's figures become global, this rank is
         judged against its own line, and the results (summaries, the worst ranks, this rank's
-        own figures) ride along in `m.extra` to the host."""
+        own figures, whether any rank's checkpoint is due or its writer busy) ride along in
+        `m.extra` to the host."""
         ctx = self.context
         world, device, f64 = ctx.world_size, ctx.device, torch.float64
         now = time.perf_counter()
@@ -137,6 +140,7 @@ class ReduceExchange:
         figures = [data_wait + compute, data_wait, float(checkpoint_due), float(own_sq is not None)]
         for name in ("centre", "spread", "lowest", "limit", "reach", "warm"):
             figures += [float(getattr(rule, name)) for rule in rules]
+        figures.append(float(checkpoint_busy))  # last
         host = torch.tensor(figures, dtype=f64, device=device)  # one copy to the device
 
         def floats(name: str) -> torch.Tensor:
@@ -200,12 +204,13 @@ class ReduceExchange:
             [
                 nonfinite.to(device, torch.int64).reshape(1),
                 host[2:3].to(torch.int64),
+                host[-1:].to(torch.int64),
                 pack(keys, ctx.rank),
                 pack(summary, ctx.rank),
             ]
         )
         self._reduce(maxima, dist.ReduceOp.MAX)
-        best, ranks = unpack(maxima[2:])
+        best, ranks = unpack(maxima[3:])
         out = m.head.device
         m.combine(
             losses=(sums[:1] / world).to(out, torch.float32),
@@ -220,7 +225,7 @@ class ReduceExchange:
         self._detail = self._detail.to(torch.float32)
         m.extra = torch.cat(
             [
-                maxima[1:2].to(f64),
+                maxima[1:3].to(f64),
                 sums[pos : pos + _SUMS],
                 best.to(f64),
                 ranks.to(f64),
@@ -269,7 +274,8 @@ class ReduceExchange:
         ranks by name with their own figures (fetched in rare extra rounds)."""
         world = self.context.world_size
         self.checkpoint_due = extra[0] > 0
-        pos = 1
+        self.checkpoint_busy = extra[1] > 0
+        pos = 2
         log_sum, n_valid = extra[pos : pos + 2], extra[pos + 2 : pos + 4]
         n_nonfinite, n_measured = extra[pos + 4 : pos + 6], extra[pos + 6 : pos + 8]
         times = extra[pos + 8 : pos + 10]
