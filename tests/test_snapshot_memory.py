@@ -131,6 +131,10 @@ def test_one_slot_is_replaced_only_after_a_healthy_window(tmp_path, monkeypatch)
     # without a warning: 25 and 30 were due inside that window and not taken
     assert taken == [5, 10, 15, 20, 27, 32, 37]  # 27: the first step 5 clear of it
     assert [s.step for s in guard.ring.snapshots] == [37]
+    # the one snapshot serves only an incident that began its margin (10) after it: one at its
+    # own step may hold the update that made it (no run_dir checkpoint here to fall back on)
+    assert guard.recovery.has_target(47) and not guard.recovery.has_target(40)
+    assert guard.ring.target_for(40, 10) is not None  # what a ring of several would allow
     plan = next(e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "snapshot")
     assert plan["severity"] == "warning" and "1 of 3 fits" in plan["message"]
 
@@ -276,8 +280,14 @@ def test_a_wrong_memory_setting_is_one_clear_line(text):
 def test_the_budget_is_split_between_the_ranks_of_a_node(monkeypatch):
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 800 * 2**30)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert host_memory.rank_budget("25%") == 25 * 2**30
-    assert host_memory.rank_budget("80GB") == 10e9
+    assert host_memory.rank_budget("25%").nbytes == 25 * 2**30
+    assert host_memory.rank_budget("80GB").nbytes == 10e9
+    assert "25% of 800 GiB available on the node, shared by 8" in (
+        host_memory.rank_budget("25%").describe()
+    )
+    too_much = host_memory.rank_budget("2TiB")  # more than the node has: lowered to that
+    assert too_much.capped and too_much.nbytes == 100 * 2**30
+    assert "more than the 800 GiB available" in too_much.describe()
 
 
 def test_where_no_snapshot_fits_a_rollback_lands_on_the_known_good_checkpoint(tmp_path):

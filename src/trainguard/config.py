@@ -701,10 +701,12 @@ class RecoveryConfig(_Section):
     snapshot_memory: str | int = Field(
         "25%",
         description="Host memory for snapshots on each node, split evenly between its ranks "
-        "(torchrun's LOCAL_WORLD_SIZE): a share of the memory available at the start ('25%'), "
-        "or a size ('40GB', '12GiB', bytes). A snapshot takes the bytes of the model's and the "
-        "optimizer's state on this rank (about 12 a parameter with fp32 AdamW), pinned once; "
-        "the ring keeps as many as fit, at a longer interval when fewer than `snapshots` do.",
+        "(torchrun's LOCAL_WORLD_SIZE): a share of the memory available at the first update "
+        "('25%'), or a size ('40GB', '12GiB', bytes), never more than is available. A snapshot "
+        "takes the bytes of the model's and the optimizer's state on this rank (about 12 a "
+        "parameter with fp32 AdamW), pinned once; the ring keeps as many as fit, at a longer "
+        "interval when fewer than `snapshots` do; where at most one fits, a rollback it cannot "
+        "serve goes to the newest known-good durable checkpoint, else the LR is cut.",
     )
     snapshot_budget: float = Field(
         0.01,

@@ -417,8 +417,9 @@ class Guard(Monitor):
 
     def snapshot_barrier(self) -> None:
         """Call before writing weights or optimizer state outside `optimizer.step()` (an EMA
-        written into the parameters, a manual update): on a GPU a snapshot's copy may still be
-        reading them, and this makes the device wait for it (the host goes on)."""
+        written into the parameters, a manual update, a tensor LR stepped by hand): on a GPU a
+        snapshot's copy may still be reading them, and this makes the device wait for it (the
+        host goes on); on a CPU the copy is already done and this does nothing."""
         self.recovery.before_update()
 
     def _finish(

@@ -14,7 +14,7 @@ import torch
 
 from trainguard.actions.checkpoint_files import DamagedCheckpoint
 from trainguard.actions.data import GuardedBatches, sized_skip
-from trainguard.actions.host_memory import local_ranks, rank_budget, size_text
+from trainguard.actions.host_memory import Budget, rank_budget, size_text
 from trainguard.actions.optimizer_step import OptimizerActions
 from trainguard.actions.quarantine import Quarantine
 from trainguard.actions.snapshots import (
@@ -35,7 +35,7 @@ STEP_TIMES_KEPT = 32  # recent step times whose median sizes the snapshot interv
 
 
 class DurableTarget(Protocol):
-    """Durable checkpoints as rollback targets, where no snapshot fits in memory."""
+    """Durable checkpoints as rollback targets, where at most one snapshot fits in memory."""
 
     def known_good_at_or_before(self, step: int) -> int | None: ...
 
@@ -80,7 +80,7 @@ class Recovery:
         self._snapshot_waiting = False  # a snapshot fell due before its memory was pinned
         self.unnamed_suspects: deque[int] = deque(maxlen=64)  # suspects without ids to name them
         self.policy.recovery = self.config
-        self.durable: DurableTarget | None = None  # checkpoints, where no snapshot fits
+        self.durable: DurableTarget | None = None  # checkpoints, where one snapshot at most fits
 
     def size_to_data(self, batches: GuardedBatches) -> None:
         """Use `batches` for rewinds; a source with a `len()` sizes the recovery when
@@ -123,14 +123,21 @@ class Recovery:
         rec = self.config
         if not rec.enabled:
             return False
-        if self.ring.target_for(incident, rec.rollback_margin) is not None:
+        if self.ring.target_for(incident, rec.rollback_margin, self._one_slot) is not None:
             return True
         return self._durable_step(incident, rec.rollback_margin) is not None
 
+    @property
+    def _one_slot(self) -> bool:
+        """Whether the ring holds a single snapshot: it serves only an incident that began its
+        margin after it (its one chance: a snapshot at the incident's own step may hold the
+        update that made it, and would be restored again and again)."""
+        return self.ring.plan_made is not None and self.ring.slots == 1
+
     def _durable_step(self, incident: int, margin: int) -> int | None:
-        """Where no snapshot fits in memory: the newest known-good durable checkpoint at least
-        `margin` steps before the incident, else at or before its first step."""
-        if self.durable is None or self.ring.plan_made is None or self.ring.slots > 0:
+        """Where at most one snapshot fits in memory: the newest known-good durable checkpoint
+        at least `margin` steps before the incident, else at or before its first step."""
+        if self.durable is None or self.ring.plan_made is None or self.ring.slots > 1:
             return None
         for limit in (incident - margin, incident):
             found = self.durable.known_good_at_or_before(limit)
@@ -171,18 +178,13 @@ class Recovery:
             return []
         if self.ring.plan_made is not None:
             return []
-        setting = self.guard_config.recovery.snapshot_memory
-        budget = rank_budget(setting)
-        plan = self.ring.plan(self.model, self.optimizer, budget)
-        return [self._plan_event(step, plan, setting)]
+        budget = rank_budget(self.guard_config.recovery.snapshot_memory)
+        plan = self.ring.plan(self.model, self.optimizer, budget.nbytes)
+        return [self._plan_event(step, plan, budget)]
 
-    def _plan_event(self, step: int, plan: SnapshotPlan, setting: str | int) -> Event:
+    def _plan_event(self, step: int, plan: SnapshotPlan, budget: Budget) -> Event:
         rec = self.config
-        each = size_text(plan.nbytes)
-        ranks = local_ranks()
-        where = f"{setting} of the node's memory" if isinstance(setting, str) else "set"
-        budget = f"budget {size_text(plan.budget)} per rank ({where}"
-        budget += f", {ranks} local ranks)" if ranks > 1 else ")"
+        budget_text = f"budget {size_text(plan.budget)} per rank ({budget.describe()})"
         held = "pinned in the background" if plan.pinned else "in host memory"
         if plan.slots == plan.wanted:
             fits = f"all {plan.wanted} fit, every {self.snapshot_interval} steps, {held}"
@@ -194,33 +196,48 @@ class Recovery:
         elif plan.slots == 1:
             fits = (
                 f"1 of {plan.wanted} fits: it is taken every {self.snapshot_interval} steps, only "
-                "after as many steps without a warning; an incident that began before it is "
-                "skipped with an LR cut instead of a rollback"
+                "after as many steps without a warning, and serves only an incident that began "
+                f"{rec.rollback_margin} steps after it or more ({rec.sudden_margin} for a sudden "
+                "one); " + self._fallback()
             )
         else:
-            fits = "none fits: no in-memory rollback; " + (
-                "an incident that calls for one rolls back to the newest durable checkpoint "
-                "taken in a healthy window, else is skipped with an LR cut"
-                if self.durable is not None
-                else "an incident is skipped with an LR cut (no run_dir: no durable checkpoint)"
-            )
+            fits = "none fits: no in-memory rollback; " + self._fallback()
         if plan.slots < plan.wanted:
-            fits += f"; a larger recovery.snapshot_memory keeps {plan.wanted}"
+            needed = plan.wanted * plan.nbytes * budget.ranks
+            fits += (
+                f"; recovery.snapshot_memory of {size_text(needed)} or more on the node keeps "
+                f"{plan.wanted}"
+            )
+        if budget.capped:
+            fits += "; the size set was more than the node has available"
         return Event(
             step=step,
             kind=EventKind.SNAPSHOT,
-            severity="info" if plan.slots == plan.wanted else "warning",
-            message=f"snapshots take {each} each on this rank; {budget}: {fits}",
+            severity="info" if plan.slots == plan.wanted and not budget.capped else "warning",
+            message=(
+                f"snapshots take {size_text(plan.nbytes)} each on this rank "
+                f"({size_text(plan.nbytes * plan.slots)} for the ring); {budget_text}: {fits}"
+            ),
             metrics={
                 "snapshot_bytes": plan.nbytes,
                 "budget_bytes": plan.budget,
+                "available_bytes": budget.available,
                 "snapshots_wanted": plan.wanted,
                 "snapshots_fit": plan.slots,
                 "snapshot_every": self.snapshot_interval,
                 "pinned": plan.pinned,
-                "local_ranks": ranks,
+                "local_ranks": budget.ranks,
             },
         )
+
+    def _fallback(self) -> str:
+        """What a rollback does without an in-memory target, in words."""
+        if self.durable is not None:
+            return (
+                "an incident without one rolls back to the newest durable checkpoint taken in a "
+                "healthy window, else is skipped with an LR cut"
+            )
+        return "an incident without one is skipped with an LR cut (no run_dir: no checkpoint)"
 
     def maybe_snapshot(self, step: int) -> list[Event]:
         """Before `step` (the next one): keep a snapshot every `snapshot_interval` steps, on
@@ -347,7 +364,7 @@ class Recovery:
         incident = decision.incident_step
         rollback_to = decision.rollback_to if decision.rollback_to is not None else decision.step
         start = incident if incident is not None else rollback_to
-        snapshot = self.ring.target_for(start, start - rollback_to)
+        snapshot = self.ring.target_for(start, start - rollback_to, self._one_slot)
         durable = None
         if snapshot is None and model is not None and actions is not None:
             durable = self._durable_step(start, start - rollback_to)
@@ -401,7 +418,7 @@ class Recovery:
         if durable is not None:
             note += (
                 f"; restored from the durable checkpoint step-{durable}, taken in a healthy "
-                "window (no snapshot fits in recovery.snapshot_memory)"
+                "window (recovery.snapshot_memory holds no snapshot that serves)"
             )
         lr = (
             f"LR kept at x{actions.lr_scale:.3g} of the schedule (a sudden "

@@ -153,11 +153,44 @@ def local_ranks() -> int:
         return 1
 
 
-def rank_budget(setting: str | int | float) -> int:
-    """This rank's share of the node's budget for snapshot copies, in bytes."""
+@dataclass(frozen=True)
+class Budget:
+    """This rank's host-memory budget for snapshots, and what it came from."""
+
+    nbytes: int  # this rank's share
+    asked: int  # what the setting asked for on the node
+    available: int  # the node's available memory when it was read
+    ranks: int  # local ranks sharing the node's budget
+    share: float | None  # the share of available memory asked for, None for a size
+
+    @property
+    def capped(self) -> bool:
+        """Whether a size asked for more than the node has available (it was lowered to that)."""
+        return self.share is None and 0 < self.available < self.asked
+
+    def describe(self) -> str:
+        """Where the budget came from, in words: "25% of 22.5 GiB available", "40 GB set"."""
+        if self.share is not None:
+            where = f"{self.share:.0%} of {size_text(self.available)} available on the node"
+        elif self.capped:
+            where = (
+                f"{size_text(self.asked)} set, more than the {size_text(self.available)} "
+                "available on the node: lowered to that"
+            )
+        else:
+            where = f"{size_text(self.asked)} set for the node"
+        return where + (f", shared by {self.ranks} local ranks" if self.ranks > 1 else "")
+
+
+def rank_budget(setting: str | int | float) -> Budget:
+    """This rank's share of the node's budget for snapshot copies: a share of the available
+    memory, or a size, never more than what is available, split between the local ranks."""
     amount, share = parse_memory(setting)
-    node = amount * available_bytes() if share else amount
-    return int(node // local_ranks())
+    available = available_bytes()
+    asked = int(amount * available) if share else int(amount)
+    node = min(asked, available) if available > 0 else asked
+    ranks = local_ranks()
+    return Budget(int(node // ranks), asked, available, ranks, amount if share else None)
 
 
 def size_text(nbytes: float) -> str:
@@ -165,5 +198,7 @@ def size_text(nbytes: float) -> str:
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
             value = nbytes / scale
-            return f"{value:.3g} {unit}" if value < 10 else f"{value:.1f} {unit}"
+            if value < 10:
+                return f"{value:.3g} {unit}"
+            return f"{value:.1f} {unit}" if value < 100 else f"{value:.0f} {unit}"
     return f"{int(nbytes)} B"

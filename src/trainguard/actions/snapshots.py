@@ -207,13 +207,13 @@ class SnapshotRing:
         if self.pool is not None and self.pool.pinned:
             self.pool.before_update()
 
-    def target_for(self, incident: int, margin: int) -> Snapshot | None:
+    def target_for(self, incident: int, margin: int, strict: bool = False) -> Snapshot | None:
         """The rollback target for an incident whose first step is `incident`: the newest
-        snapshot at least `margin` steps before it, else the newest at or before that step (the
-        state before its first update); None when every snapshot is younger, so that a rollback
-        never lands inside the incident. A snapshot taken after an earlier warning serves: that
-        warning was judged by its own follow-up."""
-        for limit in (incident - margin, incident):
+        snapshot at least `margin` steps before it, else (unless `strict`) the newest at or
+        before that step (the state before its first update); None when every snapshot is
+        younger, so that a rollback never lands inside the incident. A snapshot taken after an
+        earlier warning serves: that warning was judged by its own follow-up."""
+        for limit in (incident - margin,) if strict else (incident - margin, incident):
             candidates = [s for s in self.snapshots if s.step <= limit]
             if candidates:
                 return candidates[-1]

@@ -61,7 +61,12 @@ class Analysis:
 
     @property
     def incidents(self) -> list[Event]:
-        return [e for e in self.events if SEVERITY_RANK[e.severity] >= SEVERITY_RANK["warning"]]
+        """Events at warning or above, but for how many snapshots fit: the run's set-up."""
+        return [
+            e
+            for e in self.events
+            if SEVERITY_RANK[e.severity] >= SEVERITY_RANK["warning"] and e.kind != "snapshot"
+        ]
 
     def source(self, event: Event) -> str:
         """ "run" for an event the guarded run recorded, "analyze" for one found offline."""
