@@ -131,10 +131,22 @@ def test_one_slot_is_replaced_only_after_a_healthy_window(tmp_path, monkeypatch)
     # without a warning: 25 and 30 were due inside that window and not taken
     assert taken == [5, 10, 15, 20, 27, 32, 37]  # 27: the first step 5 clear of it
     assert [s.step for s in guard.ring.snapshots] == [37]
-    # the one snapshot serves only an incident that began its margin (10) after it: one at its
-    # own step may hold the update that made it (no run_dir checkpoint here to fall back on)
-    assert guard.recovery.has_target(47) and not guard.recovery.has_target(40)
-    assert guard.ring.target_for(40, 10) is not None  # what a ring of several would allow
+    # the one snapshot serves only an incident that began a margin after it (1 for a sudden
+    # one): one at its own step may hold the update that made it (no checkpoint to fall on)
+    assert guard.recovery.has_target(38) and not guard.recovery.has_target(37)
+    assert guard.ring.target_for(37, 10) is not None  # what a ring of several would allow
+
+
+def test_one_slot_undoes_a_sudden_lr_burst_from_the_snapshot_before_it(tmp_path):
+    config = tg.GuardConfig(
+        console=False, recovery={"snapshot_memory": 409600, "checkpoint_every": 0}
+    )  # one TinyGPT snapshot (360 KiB) fits, and no durable checkpoint is written
+    out = run_scenario(FAULTS["LR x100 for 10 steps"], run_dir=tmp_path, steps=300, config=config)
+    events = read_jsonl(tmp_path / "events.jsonl")
+    assert len(out.guard.ring.pool.slots) == 1
+    assert [e["metrics"]["to_step"] for e in events if e["kind"] == "rollback"] == [250, 250]
+    assert out.guard.action_counts["halt"] == 0
+    assert not [e for e in events if e["kind"] == "rollback_unavailable"]
     plan = next(e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "snapshot")
     assert plan["severity"] == "warning" and "1 of 3 fits" in plan["message"]
 

@@ -123,7 +123,11 @@ class Recovery:
         rec = self.config
         if not rec.enabled:
             return False
-        if self.ring.target_for(incident, rec.rollback_margin, self._one_slot) is not None:
+        # one slot: the narrowest margin a rollback may ask for (a sudden incident's)
+        margin = (
+            min(rec.rollback_margin, rec.sudden_margin) if self._one_slot else rec.rollback_margin
+        )
+        if self.ring.target_for(incident, margin, self._one_slot) is not None:
             return True
         return self._durable_step(incident, rec.rollback_margin) is not None
 
@@ -372,7 +376,13 @@ class Recovery:
                 try:
                     snapshot = self._restore_durable(durable, actions)
                 except DamagedCheckpoint as exc:  # nothing live was touched
-                    return decision.step + 1, self._durable_failed(decision, durable, exc)
+                    if self.durable is not None:
+                        self.durable.forget(durable)
+                    reason = f"the checkpoint of step {durable} cannot be loaded ({exc})"
+                    return decision.step + 1, self._unavailable(decision, reason)
+            elif self._one_slot:  # the one snapshot is too close to this incident
+                reason = "the one snapshot recovery.snapshot_memory holds is too close to it"
+                return decision.step + 1, self._unavailable(decision, reason)
         if snapshot is None or model is None or optimizer is None or actions is None:
             raise RuntimeError("the policy rolled back without a rollback target")
         from_step = decision.step
@@ -454,28 +464,31 @@ class Recovery:
         )
         return snapshot.step, [event] if skip_event is None else [event, skip_event]
 
-    def _durable_failed(self, decision: Decision, step: int, exc: DamagedCheckpoint) -> list[Event]:
-        """A checkpoint rollback whose target does not load: never tried again; the LR is cut
-        instead, as where no target exists."""
-        if self.durable is not None:
-            self.durable.forget(step)
-        factor = decision.lr_factor or 1.0
-        events = [
+    def _unavailable(self, decision: Decision, reason: str) -> list[Event]:
+        """A rollback that found no target it may use after all: nothing live was touched;
+        training goes on with the LR cut, as where no target exists, and an event says why."""
+        factor = decision.lr_factor or 0.5
+        if self.actions is not None:
+            self.actions.cut_lr(factor, decision.rewarm_steps)
+        lr_scale = self.actions.lr_scale if self.actions is not None else factor
+        return [
             Event(
                 step=decision.step,
                 kind=EventKind.ROLLBACK_UNAVAILABLE,
                 severity="warning",
                 message=(
-                    f"the rollback target, the checkpoint of step {step}, cannot be loaded "
-                    f"({exc}); training goes on with the LR x{factor:.3g}"
+                    f"no rollback for the incident at step {decision.incident_step}: {reason}; "
+                    f"training goes on with the LR x{factor:.3g}, now x{lr_scale:.3g} of the "
+                    "schedule"
                 ),
-                metrics={"incident_step": decision.incident_step, "checkpoint_step": step},
+                metrics={
+                    "incident_step": decision.incident_step,
+                    "lr_factor": factor,
+                    "lr_scale": lr_scale,
+                },
                 action="rollback",
             )
         ]
-        if self.actions is not None and decision.lr_factor is not None:
-            self.actions.cut_lr(factor, decision.rewarm_steps)
-        return events
 
     def _restore_durable(self, step: int, actions: OptimizerActions) -> Snapshot:
         """Load the known-good checkpoint of `step` into the live objects; what a snapshot of it
