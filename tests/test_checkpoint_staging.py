@@ -139,8 +139,11 @@ def test_a_due_checkpoint_is_deferred_while_the_last_is_written(tmp_path, monkey
         assert torch.equal(value, weights[8][key]), key
 
 
-def test_an_explicit_save_and_close_still_wait(tmp_path, monkeypatch):
-    """`guard.save_checkpoint()` by hand waits for the write still going on, then writes."""
+def _held_at_step_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[threading.Event, tg.Guard, nn.Module, Any]:
+    """A deferring guard whose write of step 2's checkpoint waits for the gate it returns; the
+    gate, the guard, its model and an iterator over the data."""
     gate = threading.Event()
     original = BlobWriter.write_data
 
@@ -154,7 +157,12 @@ def test_an_explicit_save_and_close_still_wait(tmp_path, monkeypatch):
     guard = tg.Guard(model, opt, config=_config(every=2), run_dir=tmp_path)
     assert guard.checkpointing is not None
     guard.checkpointing.defers = True
-    data = iter(loader())
+    return gate, guard, model, iter(loader())
+
+
+def test_an_explicit_save_and_close_still_wait(tmp_path, monkeypatch):
+    """`guard.save_checkpoint()` by hand waits for the write still going on, then writes."""
+    gate, guard, model, data = _held_at_step_2(tmp_path, monkeypatch)
     for _ in range(3):
         (tokens,) = next(data)
         _step(guard, model, tokens)
@@ -166,20 +174,7 @@ def test_an_explicit_save_and_close_still_wait(tmp_path, monkeypatch):
 
 
 def test_a_checkpoint_still_deferred_at_close_is_written_then(tmp_path, monkeypatch):
-    gate = threading.Event()
-    original = BlobWriter.write_data
-
-    def held(self: BlobWriter, plan: Any, planner: Any) -> Any:
-        if self.step == 2:
-            gate.wait(60)
-        return original(self, plan, planner)
-
-    monkeypatch.setattr(BlobWriter, "write_data", held)
-    model, opt = build()
-    guard = tg.Guard(model, opt, config=_config(every=2), run_dir=tmp_path)
-    assert guard.checkpointing is not None
-    guard.checkpointing.defers = True
-    data = iter(loader())
+    gate, guard, model, data = _held_at_step_2(tmp_path, monkeypatch)
     for _ in range(4):
         (tokens,) = next(data)
         decision = _step(guard, model, tokens)

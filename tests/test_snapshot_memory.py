@@ -215,6 +215,20 @@ def test_a_state_that_grew_restores_through_load_state_dict():
     assert set(opt.state) == {a.weight, a.bias}  # the state as it was: `b` had none
 
 
+def pinned_guard(tmp_path, monkeypatch, allocate):
+    """A guard whose snapshots are "pinned" (on the CPU) through `allocate`, on a background
+    thread as on a GPU; the model, optimizer and inputs."""
+    monkeypatch.setattr(host_memory, "allocate", allocate)
+    monkeypatch.setattr(snapshots, "_wants_pinning", lambda tensors: True)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: object())
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = tg.GuardConfig(console=False, recovery={"snapshot_every": 5})
+    guard = tg.Guard(model, opt, config=config, run_dir=tmp_path)
+    return guard, model, opt, torch.randn(16, 4)
+
+
 def test_a_snapshot_due_before_its_memory_is_pinned_comes_late_not_slow(tmp_path, monkeypatch):
     release = threading.Event()
     real = host_memory.allocate
@@ -224,15 +238,7 @@ def test_a_snapshot_due_before_its_memory_is_pinned_comes_late_not_slow(tmp_path
         release.wait(30)
         return real(nbytes, False)
 
-    monkeypatch.setattr(host_memory, "allocate", slow)
-    monkeypatch.setattr(snapshots, "_wants_pinning", lambda tensors: True)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda: object())
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    config = tg.GuardConfig(console=False, recovery={"snapshot_every": 5})
-    guard = tg.Guard(model, opt, config=config, run_dir=tmp_path)
-    x = torch.randn(16, 4)
+    guard, model, opt, x = pinned_guard(tmp_path, monkeypatch, slow)
     for step in range(12):
         if step == 7:
             release.set()  # the pinning ends between steps 7 and 8
@@ -328,15 +334,7 @@ def test_a_pinning_that_leaves_no_slot_is_said(tmp_path, monkeypatch):
     def refused(nbytes: int, pinned: bool) -> torch.Tensor:
         raise MemoryError("pinning refused")
 
-    monkeypatch.setattr(host_memory, "allocate", refused)
-    monkeypatch.setattr(snapshots, "_wants_pinning", lambda tensors: True)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda: object())
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    config = tg.GuardConfig(console=False, recovery={"snapshot_every": 5})
-    guard = tg.Guard(model, opt, config=config, run_dir=tmp_path)
-    x = torch.randn(16, 4)
+    guard, model, opt, x = pinned_guard(tmp_path, monkeypatch, refused)
     for _ in range(8):
         while guard.ring.pool is not None and not guard.ring.ready:
             threading.Event().wait(0.01)
