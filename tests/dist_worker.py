@@ -331,6 +331,19 @@ def replicas_two(rank: int, world: int, out: Path) -> dict[str, Any]:
     return replica_job(rank, world, out, 30, tamper=[(1, 7, "weight")])
 
 
+def record_saves(guard: tg.Guard) -> list[int]:
+    """The steps at which the guard saves a checkpoint, as it saves them."""
+    saved_at: list[int] = []
+    save = guard.save_checkpoint
+
+    def recorded() -> None:
+        saved_at.append(guard.global_step)
+        save()
+
+    guard.save_checkpoint = recorded  # type: ignore[method-assign]
+    return saved_at
+
+
 def timed_checkpoint(rank: int, world: int, out: Path) -> dict[str, Any]:
     """Checkpoints every 60 s of wall time and never by steps, on injected clocks: rank 1's
     moves 25 s a step, rank 0's stands still; the steps each rank checkpointed."""
@@ -344,14 +357,7 @@ def timed_checkpoint(rank: int, world: int, out: Path) -> dict[str, Any]:
     guard = tg.Guard(ddp, opt, config=cfg, run_dir=out)
     clock = {"now": 0.0}
     guard.checkpoint_clock = lambda: clock["now"]
-    saved_at: list[int] = []
-    save = guard.save_checkpoint
-
-    def recorded() -> None:
-        saved_at.append(guard.global_step)
-        save()
-
-    guard.save_checkpoint = recorded  # type: ignore[method-assign]
+    saved_at = record_saves(guard)
     actions = []
     for x, y in guard.batches(data):
         loss = nn.functional.mse_loss(ddp(x), y)
@@ -389,14 +395,7 @@ def slow_writer(rank: int, world: int, out: Path) -> dict[str, Any]:
     guard = tg.Guard(ddp, opt, config=cfg, run_dir=out)
     assert guard.checkpointing is not None and guard.checkpoints is not None
     guard.checkpointing.defers = True  # as on a device
-    saved_at: list[int] = []
-    save = guard.save_checkpoint
-
-    def recorded() -> None:
-        saved_at.append(guard.global_step)
-        save()
-
-    guard.save_checkpoint = recorded  # type: ignore[method-assign]
+    saved_at = record_saves(guard)
     deferred, busy_at_4 = [], None
     for i, (x, y) in enumerate(guard.batches(data)):
         if i == 3:

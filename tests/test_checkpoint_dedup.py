@@ -27,15 +27,6 @@ from trainguard.actions.checkpoints import CheckpointStore
 from helpers import read_jsonl
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread is faster, and the same on any machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def manifest(run_dir: Path, step: int) -> dict:
     return json.loads((run_dir / "checkpoints" / f"step-{step}" / MANIFEST).read_text())
 

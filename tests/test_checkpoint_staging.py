@@ -29,15 +29,6 @@ from helpers import read_jsonl
 SRC = Path(__file__).resolve().parents[1] / "src" / "trainguard"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread is faster, and the same on any machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _config(every: int, asynchronous: bool = True, **recovery: Any) -> tg.GuardConfig:
     return tg.GuardConfig(
         console=False,
