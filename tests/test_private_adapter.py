@@ -119,6 +119,28 @@ def _replaced_step_warnings(mark: bool) -> list[str]:
     return [str(w.message) for w in caught]
 
 
+def test_found_inf_skips_a_fused_optimizer_on_the_device() -> None:
+    gen = torch.Generator().manual_seed(1)
+    param = nn.Parameter(torch.randn(8, generator=gen))
+    fused = torch.optim.AdamW([param], lr=0.1, fused=True)
+    assert tp.optimizer_takes_found_inf(fused), "optimizer_takes_found_inf: fused AdamW"
+    plain = torch.optim.AdamW([nn.Parameter(torch.randn(2))], lr=0.1, foreach=True)
+    assert not tp.optimizer_takes_found_inf(plain), "optimizer_takes_found_inf: foreach AdamW"
+    param.grad = torch.randn(8, generator=gen)
+    fused.step()  # the state exists
+    before = (param.detach().clone(), {k: v.clone() for k, v in fused.state[param].items()})
+    tp.set_found_inf(fused, torch.ones((), dtype=torch.float32))
+    fused.step()
+    assert torch.equal(param.detach(), before[0]), "set_found_inf: 1 did not skip the update"
+    for key, value in fused.state[param].items():
+        assert torch.equal(value, before[1][key]), f"set_found_inf: 1 changed {key}"
+    tp.set_found_inf(fused, torch.zeros((), dtype=torch.float32))
+    fused.step()
+    assert not torch.equal(param.detach(), before[0]), "set_found_inf: 0 skipped the update"
+    tp.set_found_inf(fused, None)
+    assert not hasattr(fused, "found_inf") and not hasattr(fused, "grad_scale"), "cleared"
+
+
 def test_scheduler_step_marks() -> None:
     unmarked = _replaced_step_warnings(mark=False)
     assert any("overridden" in m for m in unmarked), (

@@ -32,8 +32,10 @@ __all__ = [
     "foreach_sub_",
     "mark_optimizer_stepped",
     "mark_step_wrapped",
+    "optimizer_takes_found_inf",
     "scaler_found_inf",
     "scaler_scale",
+    "set_found_inf",
     "tensor_version",
 ]
 
@@ -91,6 +93,29 @@ def scaler_found_inf(
     except (AttributeError, KeyError):
         return {}
     return found
+
+
+# -- the optimizer's own skip ------------------------------------------------------------------
+
+
+def optimizer_takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` skips itself on the device when its `found_inf` is 1 (torch's
+    fused Adam, AdamW, SGD and Adagrad: how GradScaler skips them with no sync); torch marks
+    them with a private flag, and no public API says so."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def set_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None) -> None:
+    """Set (a float32 0-dim tensor on the parameters' device, exactly 1.0 to skip) or clear the
+    `found_inf` and `grad_scale` a fused optimizer's `step()` reads; GradScaler sets the same
+    two attributes, and no public API does."""
+    if found_inf is None:
+        for name in ("found_inf", "grad_scale"):
+            if name in optimizer.__dict__:
+                delattr(optimizer, name)
+        return
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    optimizer.grad_scale = None  # type: ignore[attr-defined]
 
 
 # -- LR scheduler's step check ----------------------------------------------------------------

@@ -884,6 +884,15 @@ class GuardConfig(_Section):
     """Every setting of the guard; `GuardConfig.load(path)` reads YAML or TOML."""
 
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip threshold; None turns off.")
+    hot_path: Literal["auto", "sync", "lagged"] = Field(
+        "auto",
+        description="How `guard.step` reads a step's figures. 'lagged': the skip is decided on "
+        "the device (through a fused optimizer's `found_inf`) and the host judges each step "
+        "one call later, with no blocking read on an ordinary step; 'sync': read and judged "
+        "before the update (one blocking read a step); 'auto': lagged on a GPU with a fused "
+        "Adam, AdamW, SGD or Adagrad and no GradScaler outside a distributed run, sync "
+        "otherwise (said once at start).",
+    )
     stats_every: int = Field(
         10, ge=0, description="Steps between parameter-norm and update-ratio samples; 0 is off."
     )

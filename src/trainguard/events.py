@@ -204,6 +204,7 @@ class Decision:
     resync_ranks: list[int] = field(default_factory=list)  # the ranks whose replicas diverged
     agreed_step: int | None = None  # the last check where every replica agreed
     preempt: list[PreemptCall] = field(default_factory=list)  # on a precursor warning
+    pending_step: int | None = None  # lagged path: the step launched since, judged next call
 
     @property
     def quarantine(self) -> bool:

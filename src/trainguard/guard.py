@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from trainguard._torch_private import optimizer_takes_found_inf
 from trainguard.actions import OptimizerActions
 from trainguard.actions.checkpoint_files import DamagedCheckpoint
 from trainguard.actions.checkpoints import CheckpointStore, check_checkpoint_folders, check_rng
@@ -23,7 +25,7 @@ from trainguard.actions.preempt import Preemption
 from trainguard.actions.preemptive import PreemptiveActions
 from trainguard.actions.quarantine import Quarantine
 from trainguard.actions.replicas import ReplicaResync
-from trainguard.actions.snapshots import SnapshotRing
+from trainguard.actions.snapshots import SnapshotRing, rng_state, set_rng_state
 from trainguard.actions.user_actions import ActionTarget, build_actions, run_actions
 from trainguard.checkpointing import Checkpointing
 from trainguard.config import ConfigInput, GuardConfig
@@ -35,7 +37,14 @@ from trainguard.diagnosis.step_diagnosis import StepDiagnosis
 from trainguard.distributed import LocalGradNorm, StepExchange, local_grad_norm_hook
 from trainguard.distributed.reduce import ReduceExchange
 from trainguard.distributed.replicas import ReplicaFingerprint
-from trainguard.events import Decision, Event, EventKind, Severity, TrainguardError
+from trainguard.events import (
+    Decision,
+    Event,
+    EventKind,
+    Severity,
+    TrainguardError,
+    TrainingHalted,
+)
 from trainguard.moe.routing import RoutingStats
 from trainguard.monitor import Monitor, checked_token_accuracy
 from trainguard.policy import StepPolicy
@@ -43,6 +52,7 @@ from trainguard.recorder import action_counts, report
 from trainguard.recovery import Recovery
 from trainguard.signals import GradientStats, StepSignals
 from trainguard.signals.gradients import Measurement
+from trainguard.signals.lagged_reads import LaggedRead, LaggedReads
 from trainguard.signals.precursors import PrecursorProbe
 from trainguard.sinks import Sink
 
@@ -52,13 +62,90 @@ UNREWOUND_CONFIRM_STEPS = 2  # far-up steps that confirm an explosion where data
 
 @dataclass
 class _Training:
-    """The parts a guard that steps the optimizer has; a guard built without an optimizer
+    """The per-engine half of a step (the plain loop's here; DeepSpeed's engine has its own):
+    where the gradients are measured and the update made. A guard built without an optimizer
     only observes."""
 
     optimizer: torch.optim.Optimizer
     stats: GradientStats
     actions: OptimizerActions
-    diagnosis: StepDiagnosis
+    diagnosis: StepDiagnosis | None
+
+    def measure(
+        self, loss: torch.Tensor | float, scaler: torch.amp.GradScaler | None
+    ) -> Measurement:
+        """Unscale, then launch the step's figures on the device."""
+        self.actions.unscale()
+        return self.stats.measure(loss, self.optimizer, scaler)
+
+    def clip(self, measurement: Measurement) -> None:
+        self.actions.clip(self.stats.params, measurement.total_norm)
+
+    def resolve(self, measurement: Measurement, values: list[float] | None = None) -> StepSignals:
+        return self.stats.resolve(measurement, values)
+
+    def group_report(self, norms: Any) -> Callable[[], dict[str, Any]] | None:
+        """What an incident's events say of the layer groups (`norms`: an earlier step's)."""
+        return lambda: self.stats.group_report(norms)
+
+    def update(self, step: int, loss: float) -> None:
+        """The update, now: with the update norms of a sampled step."""
+        self.stats.before_optimizer_step(step)
+        self.actions.step(loss)
+        self.stats.after_optimizer_step(step)
+
+    def skip(self) -> None:
+        self.stats.discard_update()
+        self.actions.skip()
+
+    def after_step(
+        self, decision: Decision, replay: Callable[[], torch.Tensor] | None
+    ) -> list[Event]:
+        """Diagnose what the decision left to explain."""
+        return self.diagnosis.after_step(decision, replay) if self.diagnosis is not None else []
+
+
+@dataclass
+class _StepInputs:
+    """What a step call passes besides its loss, kept until the step is judged."""
+
+    batch_ids: Iterable[Any] | None
+    sample_ids: Iterable[Any] | None
+    replay: Callable[[], torch.Tensor] | None
+    per_sample_losses: torch.Tensor | Callable[[], torch.Tensor] | None
+    sample_text: Sequence[str] | None
+    routing: RoutingStats | None
+
+
+@dataclass
+class _Measured:
+    """A step measured on the device, before anything is read."""
+
+    step: int
+    measurement: Measurement
+    checkpoint_due: bool  # this rank's clock says a checkpoint is due
+
+
+@dataclass
+class _StepStart:
+    """Where the data and the RNGs stood when a step began (lagged path: taken before its
+    forward, for a snapshot or checkpoint taken after it)."""
+
+    data: dict[str, Any] | None
+    rng: dict[str, Any]
+
+
+@dataclass
+class _Launched:
+    """A step whose update the device gate made or skipped, and that the host judges at the
+    next call."""
+
+    measured: _Measured
+    inputs: _StepInputs
+    read: LaggedRead
+    norms: Any  # its per-parameter grad norms on the device, for a group report
+    replay_rng: dict[str, Any] | None  # the RNGs its forward began with, for a NaN trace
+    start: _StepStart | None = None  # the next step's start, where a snapshot may fall due
 
 
 class Guard(Monitor):
@@ -73,6 +160,9 @@ class Guard(Monitor):
     # rollbacks the checkpoint stager was told of (class defaults: subclasses set up their own)
     _deferred_checkpoint: tuple[int, float, bool] | None = None
     _rollbacks_staged = 0
+    # the lagged path's host copies (None: the synchronous path), and the step it launched
+    _lagged: LaggedReads | None = None
+    _launched: _Launched | None = None
 
     def __init__(
         self,
@@ -162,8 +252,55 @@ class Guard(Monitor):
         self.findings: list[Finding] = []
         if cfg.diagnosis.lint and model is not None and self._training is not None:
             linted = lint_scheduler if lint_scheduler is not None else scheduler
-            self._publish(self._training.diagnosis.lint(model, linted, scaler))
-            self.findings = self._training.diagnosis.findings
+            linter = self._training.diagnosis
+            assert linter is not None
+            self._publish(linter.lint(model, linted, scaler))
+            self.findings = linter.findings
+        self._choose_hot_path()
+
+    def _choose_hot_path(self) -> None:
+        """The lagged path where `hot_path` asks for it and the run allows it (a fused optimizer
+        that skips itself on the device, no GradScaler, one process, a bound for every
+        `skip_on` kind); said once on a GPU where `auto` keeps the synchronous path."""
+        wanted = self.config.hot_path
+        if self._training is None or wanted == "sync":
+            return
+        optimizer, device = self._training.optimizer, self._training.stats.device
+        why: list[str] = []
+        if not optimizer_takes_found_inf(optimizer):
+            why.append(
+                f"{type(optimizer).__name__} does not skip itself on the device (a fused Adam, "
+                "AdamW, SGD or Adagrad does: pass fused=True)"
+            )
+        if self.scaler is not None and self.scaler.is_enabled():
+            why.append("a GradScaler skips overflow steps itself (bf16 autocast needs none)")
+        if self.ranks is not None:
+            why.append("a distributed run judges its ranks' exchange before the update")
+        blockers = self.policy.gate_blockers(self.detectors.detectors)
+        if blockers:
+            why.append(f"policy.skip_on names {', '.join(blockers)}, which no gate bound covers")
+        if wanted == "lagged" and why:
+            raise TrainguardError(
+                f"hot_path 'lagged' cannot be used here: {'; '.join(why)}; set hot_path to "
+                "'auto' or 'sync'"
+            )
+        if wanted == "auto" and device.type != "cuda":
+            return  # off a GPU a read costs no device idle time: the synchronous path
+        if why:
+            self._publish(
+                [
+                    Event(
+                        step=self.global_step,
+                        kind=EventKind.LINT,
+                        severity="info",
+                        message="hot_path: synchronous (one blocking read a step) because "
+                        + "; ".join(why),
+                        metrics={"hot_path": "sync"},
+                    )
+                ]
+            )
+            return
+        self._lagged = LaggedReads(device)
 
     def _start_probe(
         self,
@@ -317,7 +454,8 @@ class Guard(Monitor):
     ) -> Decision:
         """Measure this step's gradients after `loss.backward()`, run the detectors, and step,
         skip, roll back or halt (raising `TrainingHalted`); with a GradScaler pass the unscaled
-        loss.
+        loss. On the lagged path (`hot_path`) the update is launched behind the device gate and
+        this returns the decision of the step before, which the host judges now.
 
         `replay`, a closure that recomputes this step's loss, lets the guard trace where NaN/Inf
         first appeared; `per_sample_losses` (one per sample, left on the device and read only
@@ -326,16 +464,45 @@ class Guard(Monitor):
         feeds the routing-collapse detector; `token_accuracy` (a share of tokens, a tensor or a
         float) replaces the one the precursor probe measures on its sampled steps."""
         parts = self._trainer("guard.step")
+        lagged = self._lagged is not None
+        inputs = _StepInputs(
+            _kept(batch_ids, lagged),
+            _kept(sample_ids, lagged),
+            replay,
+            per_sample_losses,
+            sample_text,
+            routing,
+        )
+        self.recovery.remember_position(self.global_step)
+        return self._step_with(parts, loss, inputs, token_accuracy)
+
+    def _step_with(
+        self,
+        parts: _Training,
+        loss: torch.Tensor | float,
+        inputs: _StepInputs,
+        token_accuracy: torch.Tensor | float | None,
+    ) -> Decision:
+        """The step every engine shares: measure, then judge and act now (synchronous path),
+        or launch behind the device gate and judge the step before (lagged path)."""
         token_accuracy = checked_token_accuracy(token_accuracy)
-        step = self.global_step
-        self.recovery.remember_position(step)
-        # measure (on the device), exchange (one collective), clip, then one host transfer
-        parts.actions.unscale()
-        measurement = parts.stats.measure(loss, parts.optimizer, self.scaler)
+        measured = self._measure_step(parts, self.global_step, loss, token_accuracy)
+        if self._lagged is None:
+            return self._judge(parts, measured, parts.resolve(measured.measurement), inputs)
+        return self._step_lagged(parts, measured, inputs)
+
+    def _measure_step(
+        self,
+        parts: _Training,
+        step: int,
+        loss: torch.Tensor | float,
+        token_accuracy: torch.Tensor | float | None,
+    ) -> _Measured:
+        """Measure (on the device), exchange (one collective) and clip: nothing read yet."""
+        measurement = parts.measure(loss, self.scaler)
         self._take_precursors(step, measurement, token_accuracy)
         batches = self.recovery.batches
         checkpoint_due = self._checkpoint_due_by_time()
-        checkpoint_busy: bool | None = None  # this rank's writer alone, outside a distributed run
         if self.exchange is not None:  # every rank's named row, in the step's one collective
             self.exchange.share(
                 measurement,
@@ -346,24 +513,44 @@ class Guard(Monitor):
                 checkpoint_due=checkpoint_due,
                 checkpoint_busy=self._checkpoint_busy(),
             )
-        parts.actions.clip(parts.stats.params, measurement.total_norm)
-        signals = parts.stats.resolve(measurement)
+        parts.clip(measurement)
+        return _Measured(step, measurement, checkpoint_due)
+
+    def _judge(
+        self,
+        parts: _Training,
+        measured: _Measured,
+        signals: StepSignals,
+        inputs: _StepInputs,
+        launched: _Launched | None = None,
+    ) -> Decision:
+        """Detect, decide and act on a measured step: the update now (synchronous path), or
+        what follows the update the device gate already made or skipped (`launched`)."""
+        step, batch_ids, sample_ids = measured.step, inputs.batch_ids, inputs.sample_ids
         point = _point_from_signals(step, signals)
         self._check_replicas(point)
-        if routing is not None:
-            point.routing = routing.to_point()
+        if inputs.routing is not None:
+            point.routing = inputs.routing.to_point()
         point.weights_rewritten, self._weights_rewritten = self._weights_rewritten, False
+        checkpoint_due, checkpoint_busy = measured.checkpoint_due, None  # None: this rank's own
         if self.exchange is not None:
             self.exchange.add_rank_figures(point, signals.extra)
             checkpoint_due = self.exchange.checkpoint_due  # any rank's clock: due on all
             checkpoint_busy = self.exchange.checkpoint_busy  # any rank's writer: all defer
         # detect and decide
+        norms = launched.norms if launched is not None else None
         decision, events = self._decide(
-            point, batch_ids, self.recovery.has_target, parts.stats.group_report
+            point, batch_ids, self.recovery.has_target, parts.group_report(norms)
         )
-        if per_sample_losses is not None and any(e.kind == EventKind.LOSS_SPIKE for e in events):
+        if launched is not None:
+            decision = self._as_gated(decision, bool(signals.gate_skipped))
+        if (
+            inputs.per_sample_losses is not None
+            and parts.diagnosis is not None
+            and any(e.kind == EventKind.LOSS_SPIKE for e in events)
+        ):
             blamed, found = parts.diagnosis.blame(
-                decision, per_sample_losses, sample_ids or batch_ids, sample_text
+                decision, inputs.per_sample_losses, sample_ids or batch_ids, inputs.sample_text
             )
             events += self._publish(found)
             if blamed:
@@ -372,12 +559,13 @@ class Guard(Monitor):
         events += self._publish(
             self.recovery.hold_data(decision, signals.loss, batch_ids, sample_ids)
         )
-        self.global_step += 1
+        self.global_step = step + 1
         if decision.action == "step":
-            parts.stats.before_optimizer_step(step)
-            self.recovery.before_update()  # the device waits for a snapshot's copy, not the host
-            parts.actions.step(signals.loss)
-            parts.stats.after_optimizer_step(step)
+            if launched is None:
+                self.recovery.before_update()  # the device waits for a snapshot's copy
+                parts.update(step, signals.loss)
+            else:  # applied on the device: what follows an update
+                parts.actions.after_update(signals.loss)
             events += self._publish(self.recovery.cut_lr(decision))
             if self.preemptive is not None:  # on a precursor warning, where the policy chose
                 taken = self.preemptive.apply(decision)
@@ -385,12 +573,15 @@ class Guard(Monitor):
                     e.metrics.get("action") == "rescale_qk" for e in taken
                 )
                 events += self._publish(taken)
-            self._publish(self.recovery.maybe_snapshot(self.global_step))  # about the run
-            events += self._maybe_checkpoint(checkpoint_due, checkpoint_busy)
+            with self._at_step_start(launched):  # where the next step began, on the lagged path
+                self._publish(self.recovery.maybe_snapshot(self.global_step))  # about the run
+                events += self._maybe_checkpoint(checkpoint_due, checkpoint_busy)
         else:
-            parts.stats.discard_update()
             self.recovery.before_update()  # a resync or a restore writes what may be copied
-            parts.actions.skip()
+            if launched is None:
+                parts.skip()
+            else:
+                parts.stats.discard_gated_update(step)
             events += self._resync_replicas(decision)
             if decision.action == "rollback":
                 if self.checkpointing is not None:
@@ -408,12 +599,146 @@ class Guard(Monitor):
         if self.checkpointing is not None:  # a background write that failed
             self.checkpointing.report_errors()
         # diagnose what the decision left to explain, then record
-        events += self._publish(parts.diagnosis.after_step(decision, replay))
-        self._arm_probe()
+        events += self._publish(self._after_step_diagnosis(parts, decision, inputs, launched))
+        if launched is None:
+            self._arm_probe()
         result = self._finish(point, decision, events, signals)
         if result.action == "halt":
             result = self._halt(result, raise_error=True)
         return result
+
+    def _as_gated(self, decision: Decision, gated: bool) -> Decision:
+        """The decision as the device gate carried it out. They differ only where the policy
+        steps over a spike its bound skips (an oscillation's LR cut), or at a bound's last
+        digit: a step the gate skipped is a skip, a skip it let through a step."""
+        if decision.action == "step" and gated:
+            why = "skipped on the device: the loss or grad norm was over the gate's bound"
+            changed = dataclasses.replace(decision, action="skip", reason=why, preempt=[])
+        elif decision.action == "skip" and not gated:
+            why = f"{decision.reason}; taken: the update was made on the device before it"
+            changed = dataclasses.replace(decision, action="step", reason=why, suspect=False)
+        else:
+            return decision
+        self.action_counts[decision.action] -= 1
+        self.action_counts[changed.action] += 1
+        return changed
+
+    def _after_step_diagnosis(
+        self,
+        parts: _Training,
+        decision: Decision,
+        inputs: _StepInputs,
+        launched: _Launched | None,
+    ) -> list[Event]:
+        """The NaN trace and rank verdicts of a step; on the lagged path from the RNG its
+        forward began with, keeping the gradients of the step measured since."""
+        diagnosis = parts.diagnosis
+        if launched is None or diagnosis is None:
+            return parts.after_step(decision, inputs.replay)
+        next_rng, diagnosis.replay_rng = diagnosis.replay_rng, launched.replay_rng
+        grads = [p.grad for p in parts.stats.params]
+        try:
+            return diagnosis.after_step(decision, inputs.replay)
+        finally:
+            diagnosis.replay_rng = next_rng
+            for param, grad in zip(parts.stats.params, grads, strict=True):
+                param.grad = grad
+
+    # -- the lagged path: the skip decided on the device, the judgement one call later --------
+    def _step_lagged(self, parts: _Training, measured: _Measured, inputs: _StepInputs) -> Decision:
+        """Judge the step launched by the last call (its figures long copied), then launch this
+        one behind the device gate with the bounds the detectors give now: no blocking read."""
+        assert self._lagged is not None
+        judged = self._judge_launched(parts)
+        if judged is not None and judged.action == "rollback":
+            parts.optimizer.zero_grad(set_to_none=True)  # this step is undone with the others
+            self._arm_probe()
+            return judged
+        step = measured.step
+        skip = measured.measurement.gate_flag(self.policy.gate_bounds(self.detectors.detectors))
+        parts.stats.before_optimizer_step(step)
+        self.recovery.before_update()  # the device waits for a snapshot's copy, not the host
+        parts.actions.gated_step(skip)
+        parts.stats.after_optimizer_step(step)
+        read = self._lagged.copy(measured.measurement.packed)
+        diagnosis = parts.diagnosis
+        launched = _Launched(
+            measured,
+            inputs,
+            read,
+            parts.stats.last_norms,
+            diagnosis.replay_rng if diagnosis is not None else None,
+        )
+        if inputs.replay is not None and diagnosis is not None:
+            diagnosis.replay_rng = rng_state()  # the next step's forward starts from here
+        self.global_step = step + 1
+        launched.start = self._step_start(launched)
+        self._launched = launched
+        self._arm_probe()
+        if judged is not None:
+            return dataclasses.replace(judged, pending_step=step)
+        return Decision(
+            step=step, action="step", reason="judged at the next call", pending_step=step
+        )
+
+    def _judge_launched(self, parts: _Training) -> Decision | None:
+        """The decision on the step the last call launched (None when none is pending)."""
+        launched, self._launched = self._launched, None
+        if launched is None or self._lagged is None:
+            return None
+        values = self._lagged.read(launched.read)
+        signals = parts.resolve(launched.measured.measurement, values)
+        return self._judge(parts, launched.measured, signals, launched.inputs, launched)
+
+    def _step_start(self, launched: _Launched) -> _StepStart | None:
+        """Where the data and the RNGs stand before the next forward, where a snapshot or a
+        checkpoint may fall due when `launched` is judged (taken after that forward)."""
+        step = self.global_step
+        every = self.config.recovery.checkpoint_every
+        checkpoint = self._saves_checkpoints and (
+            launched.measured.checkpoint_due
+            or self._deferred_checkpoint is not None
+            or bool(every and step % every == 0)
+        )
+        snapshot = self.recovery.config.enabled and self.recovery.snapshot_due(step)
+        if not (checkpoint or snapshot):
+            return None
+        batches = self.recovery.batches
+        return _StepStart(batches.state() if batches is not None else None, rng_state())
+
+    @contextmanager
+    def _at_step_start(self, launched: _Launched | None) -> Iterator[None]:
+        """Within: the data position and RNGs as they stood when the step after `launched`
+        began (what a snapshot or checkpoint of that step holds); as they are without one."""
+        start = launched.start if launched is not None else None
+        if start is None:
+            yield
+            return
+        now = rng_state()
+        set_rng_state(start.rng)
+        batches = self.recovery.batches
+        try:
+            if batches is None:
+                yield
+            else:
+                with batches.held_at(start.data):
+                    yield
+        finally:
+            set_rng_state(now)
+
+    def flush(self) -> Decision | None:
+        """Judge the step still pending on the lagged path (a wait for its copy) and return its
+        decision, raising `TrainingHalted` on a halt; None when none is pending (always on the
+        synchronous path)."""
+        if self._training is None or self._launched is None:
+            return None
+        return self._judge_launched(self._training)
+
+    def evaluate(self, step: int, values: Mapping[str, Any]) -> list[Event]:
+        self.flush()  # the steps up to the evaluation judged first
+        return super().evaluate(step, values)
+
+    evaluate.__doc__ = Monitor.evaluate.__doc__
 
     def snapshot_barrier(self) -> None:
         """Call before writing weights or optimizer state outside `optimizer.step()` (an EMA
@@ -747,7 +1072,11 @@ class Guard(Monitor):
             **self.recovery.state_dict(),  # the last incident and the data positions
             **self.recorder.state_dict(),
             "quarantine_suspects": self.quarantine.state_dict(),
-            "diagnosis": self._training.diagnosis.state_dict() if self._training else None,
+            "diagnosis": (
+                self._training.diagnosis.state_dict()
+                if self._training is not None and self._training.diagnosis is not None
+                else None
+            ),
             "user_actions": {a.name: a.state_dict() for a in self.user_actions},
             "preemption": self.preemption.state_dict() if self.preemption is not None else None,
         }
@@ -761,8 +1090,9 @@ class Guard(Monitor):
             actions.load_state_dict(state["actions"])
         self.recovery.load_state_dict(state)
         self.quarantine.load_state_dict(state.get("quarantine_suspects", []))
-        if self._training is not None and state.get("diagnosis") is not None:
-            self._training.diagnosis.load_state_dict(state["diagnosis"])
+        diagnosis = self._training.diagnosis if self._training is not None else None
+        if diagnosis is not None and state.get("diagnosis") is not None:
+            diagnosis.load_state_dict(state["diagnosis"])
         saved = state.get("user_actions", {})
         for action in self.user_actions:
             if action.name in saved:
@@ -772,6 +1102,8 @@ class Guard(Monitor):
         self._arm_probe()  # the sampled steps count from the restored step
 
     def _before_close(self) -> None:
+        with suppress(TrainingHalted):  # recorded; close() does not raise
+            self.flush()  # the step still pending on the lagged path is judged and recorded
         if self.checkpointing is not None:
             if self._deferred_checkpoint is not None and not self.action_counts["halt"]:
                 self._deferred_checkpoint = None  # the one still deferred: taken, once the
@@ -811,6 +1143,12 @@ def _version() -> str:
     from trainguard import __version__
 
     return __version__
+
+
+def _kept(ids: Iterable[Any] | None, lagged: bool) -> Iterable[Any] | None:
+    """Ids as given; on the lagged path an iterator is read into a list, as they are used a
+    call later."""
+    return list(ids) if lagged and isinstance(ids, Iterator) else ids
 
 
 def _point_from_signals(step: int, s: StepSignals) -> MetricPoint:

@@ -257,11 +257,7 @@ class Recovery:
             events += self._pinning_failed(step)
         if self.ring.slots == 0:
             return events
-        every = self.snapshot_interval
-        newest = self.ring.snapshots[-1].step if self.ring.snapshots else None
-        due = step % every == 0 if newest is None else step - newest >= every
-        due = due or self._snapshot_waiting
-        if not due:
+        if not self.snapshot_due(step):
             return events
         if self.ring.slots == 1 and not self.healthy_window(step):
             return events  # the only snapshot is not replaced by one that may hold the incident
@@ -297,6 +293,14 @@ class Recovery:
             return events
         self.snapshot_seconds = time.perf_counter() - started
         return events
+
+    def snapshot_due(self, step: int) -> bool:
+        """Whether a snapshot falls due before `step` (every `snapshot_interval` steps, or one
+        still waiting for its memory), before the healthy-window and memory checks."""
+        every = self.snapshot_interval
+        newest = self.ring.snapshots[-1].step if self.ring.snapshots else None
+        due = step % every == 0 if newest is None else step - newest >= every
+        return due or self._snapshot_waiting
 
     def _pinning_failed(self, step: int) -> list[Event]:
         """Said once: the background pinning stopped short, and how many snapshots it left."""

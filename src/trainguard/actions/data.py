@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from trainguard.actions.snapshots import (
@@ -75,16 +77,29 @@ class GuardedBatches:
         self._resume: dict[str, Any] | None = None
         self._start_rng: dict[str, Any] | None = None
         self._iterator: Iterator[Any] | None = None
+        self._held_state: dict[str, Any] | None = None  # what `state()` says within `held_at`
 
     # -- positions ------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Where the pass stands: the next position and, for a stateful source, its state."""
+        if self._held_state is not None:
+            return copy.deepcopy(self._held_state)
         state: dict[str, Any] = {"position": self.position}
         if self.stateful:
             state["source"] = self.source.state_dict()  # type: ignore[attr-defined]
         elif self._start_rng is not None:
             state["start_rng"] = rng_to_plain(self._start_rng)
         return state
+
+    @contextmanager
+    def held_at(self, state: dict[str, Any] | None) -> Iterator[None]:
+        """Within: `state()` says `state` (where the pass stood before the batch since drawn;
+        None: where it stands)."""
+        self._held_state = state
+        try:
+            yield
+        finally:
+            self._held_state = None
 
     def resume(self, state: dict[str, Any]) -> None:
         """Start this pass where a checkpointed run stood (its order, its position)."""

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from trainguard._torch_private import set_found_inf
+
 
 class OptimizerActions:
     """Carries out the policy's decision on the optimizer, its scheduler and GradScaler."""
@@ -48,12 +50,30 @@ class OptimizerActions:
 
     def step(self, loss: float) -> None:
         """Apply the update: optimizer step, loss-scale update, scheduler step, LR re-warm."""
+        self._take_schedule_lrs()
+        self._apply_update()
+        self.after_update(loss)
+
+    def gated_step(self, skip: torch.Tensor) -> None:
+        """Launch the update behind the device gate `skip` (1.0: the fused optimizer leaves
+        weights, moments and step counts untouched), with no host read; `after_update` follows
+        once the host knows it was applied."""
+        self._take_schedule_lrs()
+        set_found_inf(self.optimizer, skip)
+        try:
+            self.optimizer.step()
+        finally:
+            set_found_inf(self.optimizer, None)
+
+    def _take_schedule_lrs(self) -> None:
         if self._schedule_lrs is not None and self._moved_elsewhere():
             # a schedule the guard does not step (a Trainer's) set the LRs since: they are the
             # schedule's now, and the cut goes on top of them
             self._schedule_lrs = [g["lr"] for g in self.optimizer.param_groups]
             self._apply_lr_scale()
-        self._apply_update()
+
+    def after_update(self, loss: float) -> None:
+        """After an applied update: scheduler step and LR re-warm."""
         if self._schedule_lrs is None:
             self._step_scheduler(loss)
             return

@@ -148,9 +148,18 @@ class Detector:
 
     name: ClassVar[str] = "detector"
     _state: ClassVar[tuple[str, ...]] = ()
+    # the one figure whose value decides whether the next `update` raises this detector's event
+    # ("loss" or "grad_norm"): the device gate skips on it; None where no such bound exists
+    gate_figure: ClassVar[str | None] = None
+    needs_ranks: ClassVar[bool] = False  # raises events only from a distributed run's ranks
 
     def update(self, point: MetricPoint) -> list[Event]:
         raise NotImplementedError
+
+    def gate_bound(self) -> float:
+        """The value of `gate_figure` over which the next `update` raises this detector's
+        event, from the state alone (inf where none can); read before the step is measured."""
+        return math.inf
 
     def evaluate(self, point: EvalPoint) -> list[Event]:
         """The events an evaluation of the model raises (`guard.evaluate`); called between the

@@ -97,6 +97,7 @@ class GradSpikeDetector(Detector):
     # LR burst, 20x and more, is.
 
     name = "grad_spike"
+    gate_figure = "grad_norm"
     _state = ("window", "run", "groups", "excess_hist", "excess_total", "reach")
 
     def __init__(self, config: GradSpikeConfig | None = None) -> None:
@@ -153,6 +154,21 @@ class GradSpikeDetector(Detector):
                 f"from step {first['since_step']})"
             )
         return [self.event(point, "warning", message, metrics)]
+
+    def gate_bound(self) -> float:
+        """The smallest grad norm over which the next step raises a spike: the limit `_passes`
+        puts on its ratio to the level (both from the window alone), or the absolute limit; inf
+        while a spike lasts."""
+        if self.run.active:
+            return math.inf
+        cfg = self.config
+        bounds = [math.inf if cfg.abs_limit is None else cfg.abs_limit]
+        held, level_of, _ = self._levels(np.zeros(1))  # the level does not depend on it
+        level = float(level_of[0])
+        if level > 0:  # NaN in the warm-up
+            rows = windows_of(held[:-1], len(self.window))
+            bounds.append(float(self._limits(np.log(np.maximum(rows, LOG_FLOOR)))[0]) * level)
+        return min(bounds)
 
     def advance(self, series: MetricSeries, start: int) -> int:
         chunk = _grad_chunk(series, start)

@@ -170,6 +170,7 @@ class LossSpikeDetector(Detector):
     # batches after it.
 
     name = "loss_spike"
+    gate_figure = "loss"
     _state = (
         "window",
         "grads",
@@ -316,6 +317,26 @@ class LossSpikeDetector(Detector):
             self.event(point, severity, message, metrics, type=spike_type, confidence=confidence)
         )
         return events
+
+    def gate_bound(self) -> float:
+        """The smallest loss over which the next step raises a spike (`_rules`' thresholds with
+        the level, noise and mean the state gives, which the new loss does not move); inf in the
+        warm-up and while a spike lasts, where none is raised."""
+        cfg = self.config
+        if len(self.window) < cfg.warmup or self.run.active:
+            return math.inf
+        m = self._measure(np.zeros(1))  # the thresholds do not depend on the loss judged
+        level, sigma, base_mean = float(m.level[0]), float(m.sigma[0]), float(m.base_mean[0])
+        big = level + cfg.min_rel_jump * abs(level)
+        threshold = max(cfg.z_threshold, self.reach)
+        bounds = [max(big, level + threshold * sigma)]
+        if base_mean > 0:
+            bounds.append(max(cfg.ratio_threshold * base_mean, level + cfg.ratio_min_z * sigma))
+        if len(self.pending) + 1 >= cfg.persist_steps:  # the step that makes a jump persist
+            persist = max(big, level + cfg.persist_z * self.tail * sigma)
+            swing = self._swing(list(self.window))
+            bounds.append(persist if swing is None else max(persist, level + SWING_JUMP * swing[2]))
+        return min(bounds)
 
     def advance(self, series: MetricSeries, start: int) -> int:
         full = len(self.window) == self.window.maxlen

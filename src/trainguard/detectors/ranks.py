@@ -39,6 +39,7 @@ class RankOutlierDetector(Detector):
     `warmup_ratio` counts. A step with a rank out of line is left out of the history."""
 
     name = "rank_outlier"
+    needs_ranks = True
     _state = ("history", "own")
 
     def __init__(self, config: RanksConfig | None = None) -> None:
@@ -301,6 +302,7 @@ class StragglerDetector(Detector):
     windows in a row; reported once, until as many normal windows in a row clear it."""
 
     name = "straggler"
+    needs_ranks = True
     _state = ("sums", "waits", "count", "slow_runs", "fast_runs", "reported", "own")
 
     def __init__(self, config: StragglerConfig | None = None) -> None:

@@ -17,6 +17,7 @@ class ReplicaDivergenceDetector(Detector):
     the last check where every replica agreed."""
 
     name = "replica_divergence"
+    needs_ranks = True
     _state = ("last_agreed",)
 
     def __init__(self) -> None:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainguard._torch_private import optimizer_takes_found_inf
 from trainguard.events import Severity
 
 # A table of peak LRs by model size (parameters -> LR), interpolated log-log by parameter count.
@@ -78,6 +79,7 @@ def lint(
     if optimizer is not None:
         findings += _schedule(optimizer, scheduler, total_steps, n_params)
         findings += _adam(optimizer)
+        findings += _unfused(optimizer)
     findings += _precision(model, scaler, autocast_dtype)
     if max_grad_norm is None:
         findings.append(
@@ -214,6 +216,37 @@ def _adam(optimizer: torch.optim.Optimizer) -> list[Finding]:
             )
             break
     return findings
+
+
+FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
+def on_gpu(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether any of the optimizer's parameters is on a GPU."""
+    return any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
+
+
+def _unfused(optimizer: torch.optim.Optimizer) -> list[Finding]:
+    """On a GPU, an optimizer torch can fuse that is not fused: the guard then reads every
+    step's figures before the update (one blocking sync a step) instead of skipping on the
+    device."""
+    if (
+        not on_gpu(optimizer)
+        or not isinstance(optimizer, FUSABLE)
+        or optimizer_takes_found_inf(optimizer)
+    ):
+        return []
+    name = type(optimizer).__name__
+    return [
+        Finding(
+            "unfused-optimizer",
+            "info",
+            f"{name} is not fused: the guard reads each step's figures before the update, one "
+            "blocking sync a step, instead of skipping a bad step on the device",
+            f"build it with fused=True (torch.optim.{name}(..., fused=True)); the guard's "
+            "hot_path 'auto' then judges each step one call later with no sync",
+        )
+    ]
 
 
 def _precision(model: nn.Module, scaler: Any, autocast: torch.dtype | None) -> list[Finding]:

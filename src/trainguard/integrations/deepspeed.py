@@ -25,7 +25,6 @@ partitions. Under ZeRO-3 nothing is replicated, and nothing is checked.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -51,12 +50,12 @@ from trainguard.actions.optimizer_step import OptimizerActions
 from trainguard.actions.preemptive import PreemptiveActions
 from trainguard.actions.replicas import ReplicaResync
 from trainguard.actions.snapshots import rng_from_plain, rng_state, rng_to_plain, set_rng_state
-from trainguard.actions.user_actions import ActionTarget, build_actions, run_actions
+from trainguard.actions.user_actions import build_actions
 from trainguard.checkpointing import set_aside
 from trainguard.config import ConfigInput, GuardConfig
 from trainguard.distributed.replicas import ReplicaFingerprint
 from trainguard.events import Decision, Event, EventKind, TrainguardError, _utc_now
-from trainguard.guard import Guard, _point_from_signals
+from trainguard.guard import Guard, _StepInputs, _Training
 from trainguard.integrations import _deepspeed_private as private
 from trainguard.moe.routing import RoutingStats
 from trainguard.monitor import Monitor, checked_token_accuracy
@@ -301,6 +300,37 @@ class ZeroRegather(ReplicaResync):
         return [event]
 
 
+class EngineParts(_Training):
+    """The engine's half of a step for the shared step (`Guard._step_with`): its ZeRO
+    partition measured, its own clipping, its `engine.step()` made or skipped; no per-layer
+    report or NaN trace (the engine owns the update, so it keeps the synchronous path)."""
+
+    def __init__(self, engine: Any, gradients: ZeroGradients, actions: EngineActions) -> None:
+        self.optimizer = engine.basic_optimizer
+        self.gradients = gradients
+        self.actions = actions
+        self.diagnosis = None
+
+    def measure(self, loss: torch.Tensor | float, scaler: Any) -> Measurement:
+        assert isinstance(loss, torch.Tensor)
+        return self.gradients.measure(loss)
+
+    def clip(self, measurement: Measurement) -> None:
+        """The engine clips in its own step."""
+
+    def resolve(self, measurement: Measurement, values: list[float] | None = None) -> StepSignals:
+        return self.gradients.resolve(measurement)
+
+    def group_report(self, norms: Any) -> None:
+        return None
+
+    def update(self, step: int, loss: float) -> None:
+        self.actions.step(loss)
+
+    def skip(self) -> None:
+        self.actions.skip()
+
+
 class DeepSpeedGuard(Guard):
     """Watches every optimizer step of a DeepSpeed engine and steps, skips, rolls back or
     halts it, with the plain loop's detectors, policy, recovery and run files.
@@ -358,9 +388,11 @@ class DeepSpeedGuard(Guard):
         self._size_confirmation()
         self.findings = []
         self._micro_losses: list[torch.Tensor] = []
+        self._engine_parts = EngineParts(engine, self.gradients, actions)
         self.probe = None
         self._start_probe(engine.module, None, None)  # no Adam ratio: ZeRO flattens the state
         self.preemption = None  # the engine's master weights would undo a rescale
+        self._weights_rewritten = False  # never: no rescale
         # preemptive LR cuts through the engine's actions; no rescale or z-loss (no preemption)
         self.preemptive = PreemptiveActions(actions, None, cfg.precursors.preempt.z_loss_weight)
 
@@ -398,60 +430,8 @@ class DeepSpeedGuard(Guard):
             return Decision(step=self.global_step, action="step", reason="accumulating")
         mean_loss = torch.stack(self._micro_losses).mean()
         self._micro_losses = []
-        step = self.global_step
-        measurement = self.gradients.measure(mean_loss)
-        self._take_precursors(step, measurement, token_accuracy)
-        batches = self.recovery.batches
-        checkpoint_due = self._checkpoint_due_by_time()
-        if self.exchange is not None:  # every rank's figures, in the step's exchange
-            self.exchange.share(
-                measurement,
-                hook=None,
-                ready_at=batches.ready_at if batches is not None else None,
-                data_wait=batches.data_wait if batches is not None else 0.0,
-                last_step_time=self.recorder.last_step_time,
-                checkpoint_due=checkpoint_due,
-            )
-        signals = self.gradients.resolve(measurement)
-        point = _point_from_signals(step, signals)
-        self._check_replicas(point)  # before the engine steps: the weights this step used
-        if self.exchange is not None:
-            self.exchange.add_rank_figures(point, signals.extra)
-            checkpoint_due = self.exchange.checkpoint_due  # any rank's clock: due on all
-        decision, events = self._decide(point, batch_ids, self.recovery.has_target)
-        events += self._publish(
-            self.recovery.hold_data(decision, signals.loss, batch_ids, sample_ids)
-        )
-        self.global_step += 1
-        actions = self.recovery.actions
-        assert actions is not None
-        if decision.action == "step":
-            self.recovery.before_update()  # the device waits for a snapshot's copy, not the host
-            actions.step(signals.loss)
-            events += self._publish(self.recovery.cut_lr(decision))
-            if self.preemptive is not None:
-                events += self._publish(self.preemptive.apply(decision))
-            self._publish(self.recovery.maybe_snapshot(self.global_step))  # about the run
-            self._maybe_checkpoint(checkpoint_due)
-        else:
-            actions.skip()
-            events += self._resync_replicas(decision)
-            if decision.action == "rollback":
-                self.global_step, done = self.recovery.roll_back(decision)
-                events += self._publish(done)
-            elif decision.action == "skip":
-                events += self._publish(self.recovery.cut_lr(decision))
-        if self.user_actions:
-            target = ActionTarget(
-                self.global_step, self.model, self.optimizer, self.scheduler, batches
-            )
-            acted = dataclasses.replace(decision, events=list(events))
-            events += self._publish(run_actions(self.user_actions, acted, target))
-        self._arm_probe()
-        result = self._finish(point, decision, events, signals)
-        if result.action == "halt":
-            result = self._halt(result, raise_error=True)
-        return result
+        inputs = _StepInputs(batch_ids, sample_ids, None, None, None, None)
+        return self._step_with(self._engine_parts, mean_loss, inputs, token_accuracy)
 
     # -- durable checkpoints: DeepSpeed's own ---------------------------------------------------
     @property

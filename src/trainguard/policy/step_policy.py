@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from trainguard.config import PolicyConfig, PreemptConfig, RecoveryConfig
-from trainguard.detectors.base import EvalPoint, MetricPoint
+from trainguard.detectors.base import Detector, EvalPoint, MetricPoint
 from trainguard.events import Action, Decision, Event, EventKind, PreemptCall
 
 SAME_REGION = 2  # rollbacks to targets this many snapshot intervals apart hit the same region
@@ -17,6 +17,11 @@ MAX_WIDENING = 3  # the skip doubles with each repeat in a region, up to 2**3 ti
 HELD_STEPS = 256  # suspect and quarantined steps remembered, to confirm or release them
 
 TargetCheck = Callable[[int], bool]  # whether a rollback target exists for an incident at step s
+# event kinds raised by a detector of another name (the device gate asks the raiser for a bound)
+RAISED_BY = {"spike_classified": "loss_spike", "fp16_overflow": "nonfinite"}
+# kinds the device gate skips on by itself: a non-finite loss or gradient (an overflow needs a
+# GradScaler, which keeps the synchronous path)
+GATED_ALWAYS = frozenset({"nonfinite", "fp16_overflow"})
 
 
 def clears_noise(event: Event) -> bool:
@@ -87,6 +92,30 @@ class StepPolicy:
         if decision.action == "step":  # a skipped or undone step's warning is not acted on
             decision.preempt = self._preempt(point, events)
         return decision
+
+    def gate_blockers(self, detectors: Sequence[Detector]) -> list[str]:
+        """The `skip_on` kinds a live detector raises with no bound the device gate could skip
+        on before the host reads the step (where any, the guard keeps the synchronous path)."""
+        live = {d.name: d for d in detectors if not d.needs_ranks}  # the gate is one process's
+        blockers = []
+        for kind in self.config.skip_on:
+            raiser = live.get(RAISED_BY.get(kind, kind))
+            if kind not in GATED_ALWAYS and raiser is not None and raiser.gate_figure is None:
+                blockers.append(kind)
+        return blockers
+
+    def gate_bounds(self, detectors: Sequence[Detector]) -> dict[str, float]:
+        """Per gated figure ("loss", "grad_norm"): the value over which the next step is skipped
+        for a `skip_on` event, from the live detectors' state; inf once `max_consecutive_skips`
+        are spent (the next such step is taken)."""
+        bounds = {"loss": math.inf, "grad_norm": math.inf}
+        if self.consecutive_skips >= self.config.max_consecutive_skips:
+            return bounds
+        for detector in detectors:
+            figure = detector.gate_figure
+            if figure is not None and detector.name in self.config.skip_on:
+                bounds[figure] = min(bounds[figure], detector.gate_bound())
+        return bounds
 
     def on_evaluation(self, point: EvalPoint, events: list[Event]) -> list[Event]:
         """What an evaluation's events lead to: warnings, never an action. An evaluation never

@@ -27,8 +27,9 @@ from trainguard.events import TrainguardError
 from trainguard.signals.layer_groups import LayerGroups
 
 FIRST_NONFINITE = 10
+GATED_KEPT = 8  # steps whose gated update's norms are left out when read
 _HEAD = 5  # loss, grad norm, non-finite count, loss scale, scaler found-inf
-_LOSS, _NONFINITE = 0, 2  # their places in the head
+_LOSS, _TOTAL, _NONFINITE = 0, 1, 2  # their places in the head
 NOT_MEASURED = -math.inf  # a precursor the sampled forward did not reach (the MAX's identity)
 
 
@@ -54,6 +55,7 @@ class StepSignals:
     # on a sampled step (`precursors.every`): signal -> layer -> value, as `MetricPoint` has them
     precursors: dict[str, dict[str, float]] | None = None
     token_accuracy: float | None = None  # the sampled forward's, or the one passed in
+    gate_skipped: bool | None = None  # lagged path: whether the device gate skipped the update
 
 
 @dataclass
@@ -93,20 +95,35 @@ class Measurement:
     precursor_names: list[tuple[str, str]] = field(default_factory=list)
     token_accuracy: torch.Tensor | None = None
     given_token_accuracy: float | None = None  # passed in as a number: replaces the packed one
+    gate: torch.Tensor | None = None  # the device gate's skip (1.0) of this step, packed last
 
     @property
     def packed(self) -> torch.Tensor:
         pieces = [self.head, self.first, self.group_norms, *self.tail]
-        for piece in (self.extra, self.precursors, self.token_accuracy):
+        for piece in (self.extra, self.precursors, self.token_accuracy, self.gate):
             if piece is not None:
                 pieces.append(piece.to(self.head.device, torch.float32).reshape(-1))
         return torch.cat(pieces)
 
     @property
     def n_after_extra(self) -> int:
-        """How many packed values follow `extra`: the precursors, then the token accuracy."""
+        """How many packed values follow `extra`: the precursors, the token accuracy, then the
+        gate's skip."""
         n = self.precursors.numel() if self.precursors is not None else 0
-        return n + (1 if self.token_accuracy is not None else 0)
+        return n + (self.token_accuracy is not None) + (self.gate is not None)
+
+    def gate_flag(self, bounds: dict[str, float]) -> torch.Tensor:
+        """The device gate, with no host read: 1.0 where the step is non-finite or its loss or
+        grad norm is over the host's bound (compared in float64, as the detectors compare), else
+        0.0; `gate` keeps it for the host's lagged read."""
+        loss, total = self.head[_LOSS].double(), self.head[_TOTAL].double()
+        skip = ~torch.isfinite(loss) | ~torch.isfinite(total) | (self.head[_NONFINITE] > 0)
+        if math.isfinite(bounds["loss"]):
+            skip = skip | (loss > bounds["loss"])
+        if math.isfinite(bounds["grad_norm"]):
+            skip = skip | (total > bounds["grad_norm"])
+        self.gate = skip.to(torch.float32)
+        return self.gate
 
     def resolve_signals(self, values: list[float], signals: StepSignals) -> None:
         """Read the precursors and token accuracy from the packed `values` (they end them) into
@@ -121,6 +138,8 @@ class Measurement:
             signals.token_accuracy = accuracy if math.isfinite(accuracy) else None
         if self.given_token_accuracy is not None:
             signals.token_accuracy = self.given_token_accuracy
+        if self.gate is not None:
+            signals.gate_skipped = values[-1] == 1.0
 
     def rank_figures(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's loss and non-finite gradient count, for the per-step exchange."""
@@ -193,6 +212,7 @@ class GradientStats:
         self._prev_params: list[torch.Tensor] | None = None
         self._last: tuple[torch.Tensor, _Layout] | None = None
         self._pending: tuple[int, torch.Tensor] | None = None
+        self._gated_updates: set[int] = set()  # steps the device gate skipped (lagged path)
 
     # -- layout ---------------------------------------------------------------------------
     def _make_layout(self, present: tuple[int, ...] | None) -> _Layout:
@@ -302,9 +322,11 @@ class GradientStats:
             group_shard_sq=group_shard,
         )
 
-    def resolve(self, m: Measurement) -> StepSignals:
-        """Bring the packed statistics to the host: the step's one device-to-host transfer."""
-        values: list[float] = m.packed.tolist()
+    def resolve(self, m: Measurement, values: list[float] | None = None) -> StepSignals:
+        """Bring the packed statistics to the host (the step's one device-to-host transfer), or
+        read them from `values` the lagged path copied."""
+        if values is None:
+            values = m.packed.tolist()
         loss, total, count, scale, found_inf = values[:_HEAD]
         pos = _HEAD
         first = [int(i) for i in values[pos : pos + m.n_first]]
@@ -336,6 +358,7 @@ class GradientStats:
             gp = values[pos + 2 : pos + 2 + n_groups]
             gu = values[pos + 2 + n_groups : pos + 2 + 2 * n_groups]
             pos += 2 + 2 * n_groups
+        if m.pending_step is not None and m.pending_step not in self._gated_updates:
             signals.param_norm = p_norm
             signals.update_norm = u_norm
             signals.update_ratio = u_norm / p_norm if p_norm > 0 else math.inf
@@ -355,12 +378,21 @@ class GradientStats:
         m.resolve_signals(values, signals)
         return signals
 
-    def group_report(self) -> dict[str, dict[str, float]]:
+    @property
+    def last_norms(self) -> tuple[torch.Tensor, _Layout] | None:
+        """The last measured step's per-parameter norms (on the device) and layout."""
+        return self._last
+
+    def group_report(
+        self, last: tuple[torch.Tensor, _Layout] | None = None
+    ) -> dict[str, dict[str, float]]:
         """Per layer group: count, mean, std, max and p99 of the parameters' gradient norms at
-        the last measured step. A second host transfer: for incident steps only."""
-        if self._last is None:
+        the last measured step (or of `last_norms` kept from an earlier one). A second host
+        transfer: for incident steps only."""
+        last = last if last is not None else self._last
+        if last is None:
             return {}
-        norms_t, layout = self._last
+        norms_t, layout = last
         norms = norms_t.double().cpu().numpy()
         index = layout.group_index.cpu().numpy()
         report: dict[str, dict[str, float]] = {}
@@ -418,6 +450,13 @@ class GradientStats:
     def discard_update(self) -> None:
         """Forget the parameter copy of a step that was skipped."""
         self._prev_params = None
+
+    def discard_gated_update(self, step: int) -> None:
+        """Lagged path: `step`'s update was measured before the host knew the gate skipped it;
+        its norms, read with a later step, are left out."""
+        self._gated_updates.add(step)
+        if len(self._gated_updates) > GATED_KEPT:
+            self._gated_updates.discard(min(self._gated_updates))
 
 
 def precursor_dict(
