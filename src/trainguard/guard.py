@@ -945,6 +945,7 @@ class Guard(Monitor):
                 "checkpoints need a model, an optimizer and a run_dir: build "
                 "Guard(model, optimizer, ..., run_dir=...)"
             )
+        self.flush()  # a step still pending on the lagged path is judged first
         step = self.global_step
         self._last_checkpoint_at = self.checkpoint_clock()  # the time interval counts from here
         known_good = self.recovery.healthy_window(step)
