@@ -483,7 +483,61 @@ def precursors_agree(rank: int, world: int, out: Path) -> dict[str, Any]:
     return {"agreed": agreed, "local": local, "collectives_per_step": per_step}
 
 
+def host_reads(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """A DDP TinyGPT with AdamW on the `reduce` exchange, precursors every 4 steps: per step the
+    host reads (`fake_device`), the trainguard calls of `torch.tensor(..., device=...)` (a
+    pageable copy on a GPU), the reads through `read_now`, and the figures sent through the
+    exchange's `FigureUpload`."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fake_device import count_host_reads, count_uploads, mark_optimizer_steps
+    from trainguard.demo.model import TinyGPT, TinyGPTConfig
+    from trainguard.distributed.upload import FigureUpload
+    from trainguard.signals.host_reads import reads_counted
+
+    sent = {"count": 0}
+    send = FigureUpload.send
+
+    def counted_send(self: FigureUpload, figures: Any) -> torch.Tensor:
+        sent["count"] += 1
+        return send(self, figures)
+
+    FigureUpload.send = counted_send  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    model = TinyGPT(TinyGPTConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=16))
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    config = {"console": False, "precursors": {"every": 4}, "ranks": {"exchange": "reduce"}}
+    guard = tg.Guard(ddp, opt, config=tg.GuardConfig.from_dict(config))
+    g = torch.Generator().manual_seed(100 + rank)
+    steps: list[dict[str, Any]] = []
+    for step in range(9):
+        x = torch.randint(0, 32, (4, 16), generator=g) * (rank + 1) % 32
+        loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1), x.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        sent["count"] = 0
+        with count_host_reads() as reads, count_uploads() as uploads, reads_counted() as now:
+            decision = guard.step(loss)
+        mark_optimizer_steps(opt)  # AdamW's step counts: host state, read without a sync
+        steps.append(
+            {
+                "step": step,
+                "action": decision.action,
+                "reads": dict(reads.by_kind),
+                "uploads": uploads.calls,
+                "read_now": now["now"],
+                "sent": sent["count"],
+                "precursors": "precursors" in decision.metrics,
+            }
+        )
+    guard.close()
+    FigureUpload.send = send  # type: ignore[method-assign]
+    return {"steps": steps}
+
+
 SCENARIOS = {
+    "host_reads": host_reads,
     "precursors_agree": precursors_agree,
     "exchange_compare": exchange_compare,
     "timed_checkpoint": timed_checkpoint,

@@ -318,3 +318,44 @@ def test_lint_suggests_a_fused_optimizer_on_a_gpu(monkeypatch):
     assert "unfused-optimizer" in codes
     fused = torch.optim.AdamW(model.parameters(), fused=True)
     assert "unfused-optimizer" not in [f.code for f in lint_module.lint(model, fused)]
+
+
+def test_an_ordinary_lagged_step_reads_nothing_from_the_device():
+    """On a CPU standing in for a device (`fake_device`): an ordinary lagged step reads only
+    the host buffer the last step's copy landed in, uploads nothing and syncs nothing."""
+    from fake_device import (
+        count_host_reads,
+        count_uploads,
+        forbid_syncs,
+        mark_host,
+        mark_optimizer_steps,
+    )
+    from trainguard.signals.host_reads import reads_counted
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = tg.Guard(model, opt, config={"console": False, "hot_path": "lagged"})
+    assert guard._lagged is not None
+    x = torch.randn(4, 8)
+    seen: list[tuple[Any, ...]] = []
+    for step in range(12):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        for buffer in guard._lagged.buffers:
+            mark_host(buffer)
+        with (
+            count_host_reads(stacks=True) as reads,
+            reads_counted() as counted,
+            count_uploads(raise_on_upload=True),
+            forbid_syncs(),
+        ):
+            guard.step(loss)
+        opt.zero_grad()
+        if step < 2:  # the step counts exist after the first update; buffers after the first copy
+            mark_optimizer_steps(opt)
+            continue
+        seen.append((reads.total, counted["now"], counted["lagged"]))
+        assert reads.total == 0, reads.stacks
+    guard.close()
+    assert seen == [(0, 0, 1)] * 10, "an ordinary lagged step: one read of a landed copy only"

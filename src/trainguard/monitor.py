@@ -28,6 +28,7 @@ from trainguard.events import (
 from trainguard.policy import StepPolicy
 from trainguard.recorder import Recorder
 from trainguard.signals.gradients import StepSignals
+from trainguard.signals.host_reads import read_now
 from trainguard.sinks import Sink
 
 TargetCheck = bool | Callable[[int], bool]
@@ -326,7 +327,7 @@ def _evaluation_number(value: object) -> float | None:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.is_complex():
             return None
-        return float(value.detach().reshape(()).item())
+        return float(read_now(value)[0])
     if isinstance(value, numbers.Real):
         try:
             return float(value)
@@ -370,6 +371,8 @@ def _precursors(given: dict[str, dict[str, float]] | None) -> dict[str, dict[str
 
 
 def _as_float(value: torch.Tensor | float | None) -> float | None:
+    if isinstance(value, torch.Tensor):  # a one-element tensor: one host read
+        return float(read_now(value)[0])
     return None if value is None else float(value)
 
 

@@ -22,6 +22,7 @@ from trainguard.diagnosis.spike_samples import blame_samples
 from trainguard.distributed import LocalGradNorm, RankContext
 from trainguard.events import Decision, Event, EventKind
 from trainguard.recovery import plain_id
+from trainguard.signals.host_reads import read_now
 
 
 class StepDiagnosis:
@@ -91,7 +92,7 @@ class StepDiagnosis:
         if callable(per_sample_losses) and not isinstance(per_sample_losses, torch.Tensor):
             with torch.no_grad():
                 per_sample_losses = per_sample_losses()
-        values: list[float] = per_sample_losses.detach().float().reshape(-1).tolist()
+        values = read_now(per_sample_losses.float())  # a spike's step only
         id_list = [plain_id(i) for i in ids] if ids is not None else None
         samples = blame_samples(
             values,

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.distributed.context import RankContext
+from trainguard.distributed.upload import FigureUpload
 
 if TYPE_CHECKING:
     from trainguard.detectors import MetricPoint
@@ -82,6 +83,7 @@ class StepExchange:
         self.calls = 0  # collectives made, for tests and benchmarks
         self.checkpoint_due = False  # whether any rank's clock said a checkpoint is due
         self.checkpoint_busy = False  # whether any rank's checkpoint writer was busy
+        self._upload: FigureUpload | None = None  # pinned buffers for the step's timings
 
     def gather(self, vector: torch.Tensor) -> torch.Tensor:
         ctx = self.context
@@ -117,9 +119,10 @@ class StepExchange:
         start = ready_at if ready_at is not None else last_step_time
         end = hook.first_ready if hook is not None and hook.first_ready is not None else now
         compute = end - start if start is not None else math.nan
-        timing = torch.tensor(
-            [data_wait + compute, data_wait, float(checkpoint_due) + 2.0 * float(checkpoint_busy)],
-            device=device,
+        if self._upload is None or self._upload.device != device:
+            self._upload = FigureUpload(device, torch.get_default_dtype())
+        timing = self._upload.send(  # from pinned memory: no pageable copy
+            [data_wait + compute, data_wait, float(checkpoint_due) + 2.0 * float(checkpoint_busy)]
         )
         loss, nonfinite = m.rank_figures()
         assert m.shard_sq is not None and m.group_shard_sq is not None

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from trainguard.detectors.base import RankMetric, RankTiming
 from trainguard.detectors.ranks import METRICS, OwnRule
 from trainguard.distributed.context import RankContext
+from trainguard.distributed.upload import FigureUpload
+from trainguard.signals.host_reads import read_now
 
 if TYPE_CHECKING:
     from trainguard.detectors import MetricPoint
@@ -104,6 +106,7 @@ class ReduceExchange:
         self._keys: torch.Tensor | None = None  # this step's key per category, on the device
         self._detail: torch.Tensor | None = None  # what it sends if named, per category
         self._window_ends = False
+        self._upload = FigureUpload(context.device, torch.float64)  # pinned: no pageable copy
 
     def _reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
         dist.all_reduce(tensor, op=op, group=self.context.group)
@@ -141,7 +144,7 @@ class ReduceExchange:
         for name in ("centre", "spread", "lowest", "limit", "reach", "warm"):
             figures += [float(getattr(rule, name)) for rule in rules]
         figures.append(float(checkpoint_busy))  # last
-        host = torch.tensor(figures, dtype=f64, device=device)  # one copy to the device
+        host = self._upload.send(figures)  # one copy to the device, from pinned memory
 
         def floats(name: str) -> torch.Tensor:
             at = 4 + 2 * ("centre", "spread", "lowest", "limit", "reach", "warm").index(name)
@@ -379,8 +382,13 @@ class ReduceExchange:
             self._reduce(vector, dist.ReduceOp.MAX)
             self.rounds += 1
             next_keys, next_ranks = unpack(vector[:count])
-            received = from_raw_bits(vector[count:]).reshape(count, _DETAIL).tolist()
-            next_list, rank_list = next_keys.tolist(), next_ranks.tolist()
+            f64 = torch.float64  # holds each float32 key and figure and each rank exactly
+            received_bits = from_raw_bits(vector[count:]).to(f64)
+            # one read of the round's keys, ranks and figures
+            values = read_now(torch.cat([next_keys.to(f64), next_ranks.to(f64), received_bits]))
+            next_list, rank_list = values[:count], values[count : 2 * count]
+            flat = values[2 * count :]
+            received = [flat[c * _DETAIL : (c + 1) * _DETAIL] for c in range(count)]
             for c in list(candidate):
                 rank, key = candidate[c][1], candidate[c][0]
                 named[c].append((rank, received[c], key))

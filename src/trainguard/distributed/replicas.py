@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainguard.distributed.context import RankContext
+from trainguard.signals.host_reads import read_now
 from trainguard.signals.layer_groups import LayerGroups
 
 WIDTH = 1 << 10  # words a row: a row's sums stay under 2**53, exact in float64
@@ -102,7 +103,7 @@ class ReplicaFingerprint:
         n = mine.numel()
         highest, lowest = both[:n], -both[n:]
         differs = (highest != lowest).reshape(-1, 2).any(dim=1)
-        which: list[int] = differs.nonzero().reshape(-1).tolist()
+        which = [g for g, flag in enumerate(read_now(differs)) if flag]  # one read, no nonzero
         if not which:
             return {}
         picked = mine.reshape(-1, 2)[torch.tensor(which, device=mine.device)].reshape(-1)
@@ -111,12 +112,13 @@ class ReplicaFingerprint:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(out, picked, group=ctx.group)
         self.calls += 1
-        rows = out.reshape(ctx.world_size, len(which), 2).tolist()
+        flat = read_now(out)  # int64: read exactly; rank r's group j at (r * len(which) + j) * 2
         classes: dict[str, list[int]] = {}
         for j, g in enumerate(which):
-            seen: dict[tuple[int, int], int] = {}
+            seen: dict[tuple[float, float], int] = {}
+            at = [(r * len(which) + j) * 2 for r in range(ctx.world_size)]
             classes[self.groups.group_names[g]] = [
-                seen.setdefault((row[j][0], row[j][1]), len(seen)) for row in rows
+                seen.setdefault((flat[i], flat[i + 1]), len(seen)) for i in at
             ]
         return classes
 

@@ -58,7 +58,7 @@ class AdaptiveClipper:
         device = norm.device
         if self.history is None:
             self.history = torch.full((self.window,), float("nan"), device=device)
-        threshold = torch.tensor(self.max_norm, device=device)
+        threshold = torch.full((), float(self.max_norm), device=device)  # no host copy
         if self.count >= self.warmup:
             level = (
                 self.history[(self.count - 1) % self.window]

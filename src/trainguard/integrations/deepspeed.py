@@ -62,6 +62,7 @@ from trainguard.monitor import Monitor, checked_token_accuracy
 from trainguard.recovery import Recovery
 from trainguard.run_files import remove_tree
 from trainguard.signals.gradients import FIRST_NONFINITE, Measurement, StepSignals
+from trainguard.signals.host_reads import read_now
 from trainguard.sinks import Sink
 
 _HEAD = 5  # loss, grad norm, non-finite count, loss scale, local non-finite count
@@ -166,7 +167,7 @@ class ZeroGradients:
     def resolve(self, m: Measurement) -> StepSignals:
         """Bring the figures to the host: the step's one device-to-host transfer. Under fp16 a
         non-finite gradient on any rank is an overflow, which the engine's loss scaler skips."""
-        values: list[float] = m.packed.tolist()
+        values = read_now(m.packed)
         loss, total, count, scale, own = values[:_HEAD]
         first = [int(i) for i in values[_HEAD : _HEAD + m.n_first]]
         n_groups = 1
@@ -834,4 +835,4 @@ def _loss_tensor(loss: torch.Tensor | float, device: torch.device) -> torch.Tens
                 f"guard.step needs the scalar loss, got a tensor of shape {tuple(loss.shape)}"
             )
         return loss.detach().to(device, torch.float32).reshape(())
-    return torch.tensor(float(loss), device=device)
+    return torch.full((), float(loss), device=device)  # filled there: no host copy

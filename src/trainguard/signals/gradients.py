@@ -24,6 +24,7 @@ from trainguard._torch_private import (
     scaler_scale,
 )
 from trainguard.events import TrainguardError
+from trainguard.signals.host_reads import read_now
 from trainguard.signals.layer_groups import LayerGroups
 
 FIRST_NONFINITE = 10
@@ -326,7 +327,7 @@ class GradientStats:
         """Bring the packed statistics to the host (the step's one device-to-host transfer), or
         read them from `values` the lagged path copied."""
         if values is None:
-            values = m.packed.tolist()
+            values = read_now(m.packed)
         loss, total, count, scale, found_inf = values[:_HEAD]
         pos = _HEAD
         first = [int(i) for i in values[pos : pos + m.n_first]]
@@ -393,8 +394,8 @@ class GradientStats:
         if last is None:
             return {}
         norms_t, layout = last
-        norms = norms_t.double().cpu().numpy()
-        index = layout.group_index.cpu().numpy()
+        norms = np.asarray(read_now(norms_t.double()))
+        index = np.asarray(read_now(layout.group_index))
         report: dict[str, dict[str, float]] = {}
         for g, name in enumerate(self.groups.group_names):
             values = norms[index == g]
@@ -492,7 +493,7 @@ def _loss_tensor(loss: torch.Tensor | float, device: torch.device) -> torch.Tens
                 "reduce it (e.g. loss.mean()) first"
             )
         return loss.detach().reshape(())
-    return torch.tensor(float(loss), device=device)
+    return torch.full((), float(loss), device=device)  # filled there: no host copy
 
 
 def _scaler_state(

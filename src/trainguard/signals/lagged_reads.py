@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trainguard.signals.host_reads import read_landed
+
 SLOTS = 2  # step t's figures are read at t+1, before t+1's copy goes to the other slot
 
 
@@ -30,6 +32,11 @@ class LaggedReads:
         self._buffers: list[torch.Tensor | None] = [None] * SLOTS
         self._next = 0
         self.allocations = 0  # host buffers allocated (grown): a handful in a whole run
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The host buffers allocated so far (a test marks them as host memory)."""
+        return [b for b in self._buffers if b is not None]
 
     def copy(self, packed: torch.Tensor) -> LaggedRead:
         """Enqueue the copy of `packed` (one dimension, float32) into the next slot."""
@@ -56,5 +63,4 @@ class LaggedReads:
             read.done.synchronize()
         buffer = self._buffers[read.slot]
         assert buffer is not None
-        values: list[float] = buffer[: read.size].tolist()
-        return values
+        return read_landed(buffer[: read.size])

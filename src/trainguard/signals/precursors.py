@@ -364,7 +364,7 @@ def attention_figures(
     p = qs.shape[2]
     per_head = max(1, b * p * s)
     chunk = max(1, min(h, CHUNK_ELEMENTS // per_head))
-    neg = torch.tensor(-math.inf, device=q.device)
+    neg = torch.full((), -math.inf, device=q.device)  # filled there: no host copy
     maxima: list[torch.Tensor] = []
     entropy_sum = torch.zeros((), device=q.device)
     for start in range(0, h, chunk):
@@ -579,10 +579,10 @@ class AdamEpsRatio:
         if found is None:
             self._layouts.clear()  # one layout at a time: the state's tensors rarely change
             found = _AdamLayout(
-                index=torch.tensor(groups, device=device),
-                numel=torch.tensor([float(t.numel()) for t in tensors], device=device),
-                beta2=torch.tensor([b for b, _ in hyper], device=device),
-                eps_sq=torch.tensor([e * e for _, e in hyper], device=device),
+                index=_table(groups, device),
+                numel=_table([float(t.numel()) for t in tensors], device),
+                beta2=_table([b for b, _ in hyper], device),
+                eps_sq=_table([e * e for _, e in hyper], device),
             )
             self._layouts[key] = found
         return found
@@ -596,6 +596,15 @@ class _AdamLayout:
     numel: torch.Tensor
     beta2: torch.Tensor
     eps_sq: torch.Tensor
+
+
+def _table(values: list[int] | list[float], device: torch.device) -> torch.Tensor:
+    """A layout's table on `device`, built on the host; on a GPU copied from pinned memory
+    without blocking (a pageable copy would end in a sync)."""
+    host = torch.tensor(values)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def counts_on_device(steps: list[float | torch.Tensor]) -> bool:
