@@ -359,3 +359,95 @@ def test_an_ordinary_lagged_step_reads_nothing_from_the_device():
         assert reads.total == 0, reads.stacks
     guard.close()
     assert seen == [(0, 0, 1)] * 10, "an ordinary lagged step: one read of a landed copy only"
+
+
+def _nan_traced(hot_path: str, tmp_path: Path) -> tuple[list[tuple[int, str]], list[str], Any]:
+    """An MLP whose Tanh's output takes log(0) with the batch of attempt 40, traced by a
+    replay."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    armed = {"on": False}
+
+    def poison(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return out + torch.log(torch.zeros_like(out[..., :1])) if armed["on"] else out
+
+    model[1].register_forward_hook(poison)
+    guard = tg.Guard(
+        model,
+        opt,
+        config={"console": False, "hot_path": hot_path},
+        run_dir=tmp_path / hot_path,
+    )
+    gen = torch.Generator().manual_seed(1)
+    actions: list[tuple[int, str]] = []
+    for attempt in range(60):
+        x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+
+        def forward(x: torch.Tensor = x, y: torch.Tensor = y, bad: bool = attempt == 40) -> Any:
+            armed["on"] = bad  # the fault comes with this batch: a replay meets it again
+            try:
+                return nn.functional.mse_loss(model(x), y)
+            finally:
+                armed["on"] = False
+
+        loss = forward()
+        loss.backward()
+        decision = guard.step(loss, replay=forward)
+        if decision.action != "step":
+            actions.append((decision.step, decision.action))
+        opt.zero_grad(set_to_none=True)
+    guard.close()
+    origins = [
+        e["message"]
+        for e in read_jsonl(tmp_path / hot_path / "events.jsonl")
+        if e["kind"] == "nan_origin"
+    ]
+    return actions, origins, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_a_nan_is_traced_the_same_on_the_lagged_path(tmp_path):
+    """The replay of a NaN step comes a call later, from the weights the gated step left, and
+    keeps the gradients of the step measured since."""
+    sync = _nan_traced("sync", tmp_path)
+    lagged = _nan_traced("lagged", tmp_path)
+    assert sync[0] == [(40, "skip")] and lagged[0] == sync[0]
+    assert len(sync[1]) == 1 and lagged[1] == sync[1], "the trace named another origin"
+    assert "1" in sync[1][0]  # the poisoned module
+    assert torch.equal(lagged[2], sync[2])
+
+
+def _resumable(run_dir: Path, steps: int, resume: bool) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    config = tg.GuardConfig(
+        console=False, hot_path="lagged", recovery={"checkpoint_every": 40, "snapshot_every": 15}
+    )
+    guard = (
+        tg.Guard.resume(run_dir, model, opt, config=config)
+        if resume
+        else tg.Guard(model, opt, config=config, run_dir=run_dir)
+    )
+    gen = torch.Generator().manual_seed(2)
+    data = [
+        (torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)) for _ in range(200)
+    ]
+    for x, y in guard.batches(data):
+        if guard.global_step >= steps:
+            break
+        loss = nn.functional.mse_loss(model(x) + 0.01 * torch.randn(16, 1), y)  # RNG in the step
+        loss.backward()
+        guard.step(loss)
+        opt.zero_grad(set_to_none=True)
+    guard.close()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_a_run_resumed_from_a_lagged_checkpoint_follows_the_same_trajectory(tmp_path):
+    """A checkpoint taken when its step is judged (after the next forward) holds the data
+    position and RNGs from before that forward: a resumed run goes on bit for bit."""
+    straight = _resumable(tmp_path / "straight", 100, resume=False)
+    _resumable(tmp_path / "killed", 60, resume=False)  # its newest checkpoint: step 40
+    resumed = _resumable(tmp_path / "killed", 100, resume=True)
+    assert torch.equal(resumed, straight)
