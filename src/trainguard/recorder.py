@@ -14,11 +14,11 @@ from trainguard.config import GuardConfig
 from trainguard.detectors.base import MetricPoint
 from trainguard.events import Action, Event, _json_number
 from trainguard.line_file import write_small_file
+from trainguard.line_writer import LineWriter
 from trainguard.run_lock import RunLock
 from trainguard.signals.gradients import StepSignals
 from trainguard.sinks import ConsoleSink, EvalLog, EventLog, MetricsLog, Sink
 from trainguard.sinks.factory import sinks_from_config
-from trainguard.sinks.writer_thread import LineWriter
 
 
 class Recorder:

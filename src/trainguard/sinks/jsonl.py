@@ -1,6 +1,6 @@
 """Append-only JSON-lines files of a run: `events.jsonl`, `metrics.jsonl` and `evals.jsonl`,
-serialized and written on a writer thread (`trainguard.sinks.writer_thread`). A full or failing
-disk never stops training and never leaves half a line: lines are dropped, counted and
+serialized and written on a writer thread (`trainguard.line_writer.LineWriter`). A full or
+failing disk never stops training and never leaves half a line: lines are dropped, counted and
 reported (see `trainguard.line_file.LineFile`)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 from trainguard.events import Event, TrainguardError
 from trainguard.line_file import FULL_DISK, LineFile, Report, stderr_report
+from trainguard.line_writer import LineWriter
 from trainguard.run_files import RunFileError
 from trainguard.sinks.base import Sink
-from trainguard.sinks.writer_thread import LineWriter
 
 
 def load_schema(name: str) -> dict[str, Any]:

@@ -3,6 +3,7 @@ so that the training thread only appends a record to a queue (no `json.dumps`, n
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections import deque
@@ -36,6 +37,7 @@ class _Queue:
         self.items: deque[_Item] = deque()
         self.wake = threading.Event()
         self.report = report
+        self.pid = os.getpid()  # a forked child's copy writes nothing of its parent's
 
     def run(self, interval_s: float) -> None:
         """The thread: wake every `interval_s` (or when asked), write what waits, in order."""
@@ -97,7 +99,7 @@ class LineWriter:
 
     def flush(self) -> None:
         """Return once everything put so far is written (fsync'd where asked)."""
-        if self.closed:
+        if self.closed or self._queue.pid != os.getpid():
             return
         mark = _Mark()
         self._queue.items.append(mark)
@@ -113,12 +115,12 @@ class LineWriter:
 
 
 def _stop(queue: _Queue, thread: threading.Thread) -> None:
-    """Drain the queue and join its thread."""
+    """Drain the queue and join its thread (in the process that started it)."""
+    if queue.pid != os.getpid():
+        return
     queue.items.append(_Mark(stop=True))
     queue.wake.set()
-    if not thread.is_alive():  # a forked child's copy: written here
-        queue.write_waiting()
-    elif thread is not threading.current_thread():
+    if thread is not threading.current_thread():
         thread.join()
 
 
