@@ -94,7 +94,7 @@ class LineWriter:
             write(record, sync)
             return
         self._queue.items.append((write, record, sync))
-        if len(self._queue.items) >= self.batch_lines:
+        if len(self._queue.items) == self.batch_lines:  # once as the queue fills past it
             self._queue.wake.set()
 
     def flush(self) -> None:
