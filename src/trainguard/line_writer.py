@@ -82,10 +82,12 @@ class LineWriter:
         )
         self._thread.start()
         self._finalizer = weakref.finalize(self, _stop, self._queue, self._thread)
-        _live.add(self)
+        with _live_lock:
+            _live.add(self)
 
     @property
     def closed(self) -> bool:
+        """Whether `close` ran (its thread is joined; `put` then writes in place)."""
         return not self._finalizer.alive
 
     def put(self, write: Write, record: Any, sync: bool = False) -> None:
@@ -125,9 +127,12 @@ def _stop(queue: _Queue, thread: threading.Thread) -> None:
 
 
 _live: weakref.WeakSet[LineWriter] = weakref.WeakSet()
+_live_lock = threading.Lock()  # a writer made on one thread while another lists them
 
 
 def flush_writers() -> None:
     """Flush every open `LineWriter` of this process, for a reader of run files here."""
-    for writer in list(_live):
+    with _live_lock:
+        writers = list(_live)
+    for writer in writers:
         writer.flush()
