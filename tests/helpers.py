@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from trainguard.demo import MarkovCorpus, scenarios
+from trainguard.line_writer import flush_writers
 
 
 def corpus() -> MarkovCorpus:
@@ -22,6 +23,7 @@ def corpus() -> MarkovCorpus:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    flush_writers()  # a live guard's lines are written on a thread
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

@@ -100,6 +100,7 @@ def test_metrics_log_on_a_full_disk_drops_counts_and_resumes(disk):
     log = MetricsLog(path, said.append)
     for step in range(10):
         log.on_metrics(record(step))
+    log.flush()  # written on a thread: on the disk before it fills
     disk.fill()
     for step in range(10, 400):  # 40 kB: past any page left half used
         log.on_metrics(record(step))
@@ -111,6 +112,7 @@ def test_metrics_log_on_a_full_disk_drops_counts_and_resumes(disk):
     disk.free()
     for step in range(400, 405):
         log.on_metrics(record(step))
+    log.flush()
     assert said[1:] == [
         f"{path}: written again; {log.dropped} line(s) were dropped while it could not be"
     ]
@@ -166,8 +168,10 @@ def train(guard: tg.Guard, model: nn.Module, opt: Any, steps: int, nan_at: int =
 def test_a_guard_trains_through_a_full_disk(disk, capsys):
     guard, model, opt = tiny_run(disk.dir)
     train(guard, model, opt, 20)
+    guard.flush()  # written on a thread: on the disk before it fills
     disk.fill()
     train(guard, model, opt, 300, nan_at=100)  # an event while the disk is full
+    guard.flush()
     disk.free()
     train(guard, model, opt, 20)
     guard.close()
@@ -192,6 +196,7 @@ def test_a_guard_starts_on_a_full_disk_and_keeps_the_old_config(disk, capsys):
     disk.fill()
     guard, model, opt = tiny_run(disk.dir, log_every=2)
     train(guard, model, opt, 200)
+    guard.flush()
     err = capsys.readouterr().err
     assert f"cannot write {disk.dir / 'config.json'} (no space left on device); the run" in err
     assert (disk.dir / "config.json").read_text() == before  # whole, the first run's
@@ -264,13 +269,17 @@ def test_a_write_error_other_than_enospc_is_dropped_too(tmp_path, monkeypatch):
     now = [0.0]
     log.lines.clock = lambda: now[0]
     log.on_metrics({"step": 1})
+    log.flush()  # each written on the thread before the file changes
     FlakyFile.error = OSError(errno.EIO, os.strerror(errno.EIO))
     log.on_metrics({"step": 2})
+    log.flush()
     FlakyFile.error = None
     now[0] = 1.0
     log.on_metrics({"step": 3})  # before its retry time: counted, the disk is not tried
+    log.flush()
     now[0] = line_file.RETRY_S
     log.on_metrics({"step": 4})
+    log.flush()
     assert log.dropped == 2 and "input/output error; dropping lines" in said[0]
     assert said[1].endswith("written again; 2 line(s) were dropped while it could not be")
     log.close()

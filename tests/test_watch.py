@@ -168,6 +168,7 @@ KILLED = textwrap.dedent(
     guard = tg.Guard(config=tg.GuardConfig(console=False), run_dir=sys.argv[1])
     for step in range(30):
         guard.observe(step, loss=3.0, grad_norm=1.0)
+    guard.flush()  # lines reach the disk within a second: a kill at once would lose the last
     os.kill(os.getpid(), signal.SIGKILL)  # no close
     """
 )

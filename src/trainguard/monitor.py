@@ -231,6 +231,11 @@ class Monitor:
         last = state.get("last_evaluation")  # absent from checkpoints of older versions
         self._last_evaluation = int(last) if last is not None else None
 
+    def flush(self) -> None:
+        """Return once `metrics.jsonl`, `events.jsonl` and `evals.jsonl` hold every line
+        recorded so far (a writer thread writes them; `close` and critical events flush)."""
+        self.recorder.flush()
+
     def close(self) -> None:
         """Record a `run_closed` event, flush and close every sink and release the run folder;
         the monitor stays usable for `state_dict`."""

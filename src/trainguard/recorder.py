@@ -14,6 +14,7 @@ from trainguard.config import GuardConfig
 from trainguard.detectors.base import MetricPoint
 from trainguard.events import Action, Event, _json_number
 from trainguard.line_file import write_small_file
+from trainguard.line_writer import LineWriter
 from trainguard.run_lock import RunLock
 from trainguard.signals.gradients import StepSignals
 from trainguard.sinks import ConsoleSink, EvalLog, EventLog, MetricsLog, Sink
@@ -39,13 +40,15 @@ class Recorder:
         self.started = time.perf_counter()
         self.last_step_time: float | None = None  # when the last step was recorded
         self.step_seconds: float | None = None  # the time between the last two recorded steps
+        self.writer: LineWriter | None = None  # the thread that writes the three run files
         try:
             if run_dir is not None and leader:  # one writer in a distributed run: rank 0
                 self.run_lock = RunLock.take(run_dir, report)
+                self.writer = LineWriter(report)
                 self.sinks += [
-                    EventLog(run_dir / "events.jsonl", report),
-                    MetricsLog(run_dir / "metrics.jsonl", report),
-                    EvalLog(run_dir / "evals.jsonl", report),
+                    EventLog(run_dir / "events.jsonl", report, self.writer),
+                    MetricsLog(run_dir / "metrics.jsonl", report, self.writer),
+                    EvalLog(run_dir / "evals.jsonl", report, self.writer),
                 ]
                 write_small_file(run_dir / "config.json", config.to_json() + "\n", report)
             if config.console and leader:
@@ -167,11 +170,21 @@ class Recorder:
         events = state.get("event_counts", {})
         self.event_counts.update({str(k): int(v) for k, v in events.items()})
 
+    def flush(self) -> None:
+        """Return once the run files hold every line recorded so far."""
+        if self.writer is not None:
+            self.writer.flush()
+
     def close(self, then: Callable[[], None] | None = None) -> None:
-        """Close every sink and then what `then` closes, and unlock the run folder last."""
+        """Close every sink (the run files' writer thread drained and joined) and then what
+        `then` closes, and unlock the run folder last."""
         try:
-            for sink in self.sinks:
-                sink.close()
+            try:
+                for sink in self.sinks:
+                    sink.close()
+            finally:
+                if self.writer is not None:
+                    self.writer.close()
             if then is not None:
                 then()
         finally:

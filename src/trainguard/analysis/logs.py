@@ -25,6 +25,7 @@ import numpy as np
 from trainguard.detectors.base import EvalPoint
 from trainguard.detectors.series import MetricSeries
 from trainguard.events import TrainguardError
+from trainguard.line_writer import flush_writers
 
 if TYPE_CHECKING:
     from trainguard.analysis.formats import LogFormat, ReadOptions
@@ -437,6 +438,8 @@ def read_runs(
     are kept apart as `abandoned`). A trainguard metrics.jsonl brings the events.jsonl beside
     it (`recorded`)."""
     from trainguard.analysis import formats
+
+    flush_writers()  # a live run of this process: every line it recorded
 
     p = Path(path)
     options = formats.ReadOptions(loss_column, step_column, tag)

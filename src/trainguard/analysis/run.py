@@ -15,6 +15,7 @@ from trainguard.analysis import logs
 from trainguard.analysis.logs import BoundedLines, final_timeline, json_object, timeline_of
 from trainguard.config import GuardConfig
 from trainguard.events import TrainguardError
+from trainguard.line_writer import flush_writers
 
 COLUMNS = ("loss", "grad_norm", "lr", "loss_scale")
 MAX_STEP = 2**63  # a step must fit the int64 step column
@@ -65,6 +66,7 @@ def load_run(
     """A run directory with metrics.jsonl (and events.jsonl, config.json), or any log that
     `read_log` reads (in `log_format`, or the one its content shows; the run named `run` of a
     file of several), which is then judged by the detectors."""
+    flush_writers()  # a live run of this process: every line it recorded
     p = Path(path)
     if p.is_dir() and (p / "metrics.jsonl").is_file():
         try:

@@ -21,6 +21,7 @@ from rich.text import Text
 from trainguard.analysis.logs import MAX_LINE_BYTES, READ_BYTES, json_object
 from trainguard.analysis.run import is_step
 from trainguard.events import TrainguardError
+from trainguard.line_writer import flush_writers
 from trainguard.run_lock import local_holder
 from trainguard.sinks.console import HEALTH_STEPS
 
@@ -203,6 +204,7 @@ class RunWatcher:
         not metrics or events of a guard and are passed over."""
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise TrainguardError(f"{self.run_dir} is not a directory: give the run_dir of a Guard")
+        flush_writers()  # a live run of this process: every line it recorded
         reread = self._metrics.reread
         for record in self._metrics.lines():
             if self._metrics.reread != reread:  # a new file: its own steps only

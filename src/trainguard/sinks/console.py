@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -15,12 +17,13 @@ from trainguard.sinks.base import Sink
 
 _STYLE = {"info": "dim", "warning": "yellow", "critical": "bold red"}
 HEALTH_STEPS = 100  # an incident colours the status line this many steps
+STATUS_EVERY_S = 0.25  # the status line is redrawn at most 4 times a second
 
 
 class ConsoleSink(Sink):
-    """Prints each event at or above `min_severity` to stderr (or the given console); with
-    `status`, keeps a live line of the run's figures below them while the console is a
-    terminal."""
+    """Prints each event at or above `min_severity` to stderr (or the given console) at once;
+    with `status`, keeps a live line of the run's figures below them while the console is a
+    terminal, updated at most every `STATUS_EVERY_S` seconds of `clock`."""
 
     def __init__(
         self,
@@ -28,12 +31,16 @@ class ConsoleSink(Sink):
         min_severity: Severity = "warning",
         status: bool = False,
         total_steps: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.console = console or Console(stderr=True)
         self.min_rank = SEVERITY_RANK[min_severity]
+        self.clock = clock
         self.progress: Progress | None = None
         self._task: TaskID | None = None
         self._incident: tuple[int, Severity] | None = None
+        self._shown_at: float | None = None  # when the status line was last updated
+        self._unshown: dict[str, Any] | None = None  # the latest record not yet on it
         if status and self.console.is_terminal:
             self.progress = Progress(
                 TextColumn("{task.description}"),
@@ -78,6 +85,18 @@ class ConsoleSink(Sink):
         )
 
     def on_metrics(self, record: dict[str, Any]) -> None:
+        if self.progress is None:
+            return
+        now = self.clock()
+        if self._shown_at is not None and now - self._shown_at < STATUS_EVERY_S:
+            self._unshown = record
+            return
+        self._shown_at = now
+        self._show(record)
+
+    def _show(self, record: dict[str, Any]) -> None:
+        """Put `record` on the status line."""
+        self._unshown = None
         if self.progress is None or self._task is None:
             return
         step = int(record.get("step", 0))
@@ -98,6 +117,8 @@ class ConsoleSink(Sink):
         return "  ".join(parts)
 
     def close(self) -> None:
+        if self._unshown is not None:  # the run's last figures stay on the line
+            self._show(self._unshown)
         if self.progress is not None:
             self.progress.stop()
 
