@@ -79,7 +79,7 @@ def run(family: str, fault_name: str, hot_path: str, steps: int) -> dict[str, An
             if not (hot_path == "lagged" and decision.action == "rollback"):
                 attempt += 1
             opt.zero_grad(set_to_none=True)
-        last = guard.flush()
+        last = guard.judge_pending()
         if last is not None and last.action != "step":
             actions.append((last.step, last.action))
     except tg.TrainingHalted as exc:

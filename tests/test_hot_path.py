@@ -106,7 +106,7 @@ def train(
             if not (hot_path == "lagged" and decision.action == "rollback"):
                 attempt += 1  # the lagged path's rollback undoes this call's step unmade
             opt.zero_grad(set_to_none=True)
-        last = guard.flush()  # the step still pending on the lagged path
+        last = guard.judge_pending()  # the step still pending on the lagged path
         if last is not None and last.action != "step":
             run.actions.append((last.step, last.action))
     finally:
@@ -182,7 +182,7 @@ def test_a_halt_comes_one_call_later_or_at_close(tmp_path):
     assert guard.action_counts["halt"] == 1
 
 
-def test_flush_judges_the_pending_step():
+def test_judge_pending_judges_the_pending_step():
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -190,9 +190,9 @@ def test_flush_judges_the_pending_step():
     loss = model(torch.randn(8, 4)).pow(2).mean()
     loss.backward()
     guard.step(loss)
-    decision = guard.flush()
+    decision = guard.judge_pending()
     assert decision is not None and decision.step == 0 and decision.action == "step"
-    assert decision.pending_step is None and guard.flush() is None
+    assert decision.pending_step is None and guard.judge_pending() is None
     guard.close()
 
 

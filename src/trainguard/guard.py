@@ -726,16 +726,22 @@ class Guard(Monitor):
         finally:
             set_rng_state(now)
 
-    def flush(self) -> Decision | None:
-        """Judge the step still pending on the lagged path (a wait for its copy) and return its
-        decision, raising `TrainingHalted` on a halt; None when none is pending (always on the
-        synchronous path)."""
+    def judge_pending(self) -> Decision | None:
+        """Judge the step still pending on the lagged path now (a wait for its copy) and return
+        its decision, raising `TrainingHalted` on a halt; None when none is pending (always on
+        the synchronous path)."""
         if self._training is None or self._launched is None:
             return None
         return self._judge_launched(self._training)
 
+    def flush(self) -> None:
+        """Judge the step still pending on the lagged path (`judge_pending`), then return once
+        the run files hold every line recorded so far."""
+        self.judge_pending()
+        super().flush()
+
     def evaluate(self, step: int, values: Mapping[str, Any]) -> list[Event]:
-        self.flush()  # the steps up to the evaluation judged first
+        self.judge_pending()  # the steps up to the evaluation judged first
         return super().evaluate(step, values)
 
     evaluate.__doc__ = Monitor.evaluate.__doc__
@@ -945,7 +951,7 @@ class Guard(Monitor):
                 "checkpoints need a model, an optimizer and a run_dir: build "
                 "Guard(model, optimizer, ..., run_dir=...)"
             )
-        self.flush()  # a step still pending on the lagged path is judged first
+        self.judge_pending()  # a step still pending on the lagged path is judged first
         step = self.global_step
         self._last_checkpoint_at = self.checkpoint_clock()  # the time interval counts from here
         known_good = self.recovery.healthy_window(step)
@@ -1104,7 +1110,7 @@ class Guard(Monitor):
 
     def _before_close(self) -> None:
         with suppress(TrainingHalted):  # recorded; close() does not raise
-            self.flush()  # the step still pending on the lagged path is judged and recorded
+            self.judge_pending()  # the step still pending on the lagged path is judged, recorded
         if self.checkpointing is not None:
             if self._deferred_checkpoint is not None and not self.action_counts["halt"]:
                 self._deferred_checkpoint = None  # the one still deferred: taken, once the
