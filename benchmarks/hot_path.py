@@ -117,12 +117,14 @@ def compare(sync: dict[str, Any], lagged: dict[str, Any]) -> dict[str, Any]:
 
 def report(rows: list[dict[str, Any]], command: str) -> str:
     same = sum(r["same_actions"] and r["same_weights"] and r["same_counts"] for r in rows)
+    halted = sum(r["halted_at"][0] is not None for r in rows)
     acted = sum(bool(r["actions"]) for r in rows)
     lines = [
         f"Command: `{command}`",
         "",
         f"{same} of {len(rows)} runs alike on both paths (every action, the action counts and "
-        f"the final weights bit for bit); {acted} of them acted on by the guard.",
+        f"the final weights bit for bit); {acted} of them acted on by the guard, {halted} "
+        "halted.",
         "",
         "| family | fault | actions (step: action), sync | alike | weights equal |",
         "|---|---|---|---|---|",
@@ -134,9 +136,18 @@ def report(rows: list[dict[str, Any]], command: str) -> str:
         lines.append(
             f"| {r['family']} | {r['fault']} | {shown} | "
             f"{'yes' if r['same_actions'] and r['same_counts'] else 'NO'} | "
-            f"{'yes' if r['same_weights'] else 'NO'} |"
+            f"{'yes' if r['same_weights'] else weights_note(r)} |"
         )
     return "\n".join(lines)
+
+
+def weights_note(row: dict[str, Any]) -> str:
+    """Why the weights differ: after a halt the lagged path has made the halted step's update
+    (documented: the halt is judged a call later); anything else is a defect."""
+    sync_halt, lagged_halt = row["halted_at"]
+    if sync_halt is not None and sync_halt == lagged_halt:
+        return f"no: the halted step {sync_halt}'s update, made before its halt was judged"
+    return "NO"
 
 
 def main() -> None:
@@ -146,6 +157,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--rows", default=None, help="report rows an earlier --out saved")
     args = parser.parse_args()
     families = args.families.split(",")
     faults = list(sc.FAULTS) if args.faults == "all" else args.faults.split(",")
@@ -156,6 +168,10 @@ def main() -> None:
     rows = [
         compare(by_key[(f, x, "sync")], by_key[(f, x, "lagged")]) for f in families for x in faults
     ]
+    if args.rows:
+        with open(args.rows) as fh:
+            print(report(json.load(fh), "python " + " ".join(sys.argv)))
+        return
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(rows, fh, indent=1)
