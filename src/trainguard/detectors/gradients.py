@@ -447,7 +447,7 @@ class VanishingGradientDetector(Detector):
         self.loss: float | None = None  # the latest finite loss
 
     def update(self, point: MetricPoint) -> list[Event]:
-        self._follow_loss(np.array([point.loss], dtype=np.float64))
+        self._follow_loss([point.loss] if math.isfinite(point.loss) else [])
         groups = point.group_grad_norms
         if not groups or not point.grads_finite:
             return []
@@ -487,15 +487,15 @@ class VanishingGradientDetector(Detector):
             return [self.event(point, "info", message, {"groups": newly, "figures": details})]
         return [self.event(point, "warning", message, {"groups": newly, "figures": details})]
 
-    def _follow_loss(self, losses: np.ndarray) -> None:
-        """The latest finite loss, and the median of the first `reference_steps` ones."""
-        finite = losses[np.isfinite(losses)]
+    def _follow_loss(self, finite: Sequence[float] | np.ndarray) -> None:
+        """Of the next finite losses: the latest, and the median of the first `reference_steps`
+        ones."""
         if not len(finite):
             return
         self.loss = float(finite[-1])
         if self.loss_reference is None:
             need = self.config.reference_steps - len(self.early_losses)
-            self.early_losses.extend(finite[:need].tolist())
+            self.early_losses.extend(float(x) for x in finite[:need])
             if len(self.early_losses) >= self.config.reference_steps:
                 self.loss_reference = median(self.early_losses)
                 self.early_losses = []
@@ -503,5 +503,6 @@ class VanishingGradientDetector(Detector):
     def advance(self, series: MetricSeries, start: int) -> int:
         if series.has_groups:
             return start
-        self._follow_loss(series.loss[start:])  # no groups: nothing can vanish
+        losses = series.loss[start:]
+        self._follow_loss(losses[np.isfinite(losses)])  # no groups: nothing can vanish
         return len(series)
