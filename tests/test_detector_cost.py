@@ -21,7 +21,7 @@ from trainguard.detectors.gradients import GradExplosionDetector, GradSpikeDetec
 from trainguard.detectors.loss_ema import LossEmaDetector
 from trainguard.detectors.loss_spike import LossSpikeDetector
 from trainguard.detectors.series import MetricSeries
-from trainguard.detectors.trends import OscillationDetector
+from trainguard.detectors.trends import OscillationDetector, _median_and_spread
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from detector_cost import make_points
@@ -205,6 +205,23 @@ def test_the_float_path_gives_the_one_element_array_path_figures(stream: str) ->
                 assert (det._first_check() == 0) == bool(len(det._checks(1)))
             det.update(point)
     assert checked > 1000
+
+
+def test_a_blocks_median_and_spread_in_floats_are_numpys() -> None:
+    """`divergence` reads a live block in floats: the same median and spread as numpy's, signed
+    zeros included."""
+    rng = np.random.default_rng(3)
+    for size in (1, 2, 3, 4, 5, 19, 20):
+        for _ in range(200):
+            block = rng.choice([-0.0, 0.0, 1.0, -1.0, 2.5], size).tolist()
+            if rng.random() < 0.5:
+                block = rng.standard_normal(size).tolist()
+            centre, spread = _median_and_spread(block)
+            centres, spreads = _median_and_spread(np.asarray([block]))
+            assert (repr(centre), repr(spread)) == (
+                repr(float(centres[0])),
+                repr(float(spreads[0])),
+            )
 
 
 def write_golden() -> None:

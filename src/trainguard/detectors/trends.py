@@ -13,7 +13,13 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from trainguard.config import DivergenceConfig, OscillationConfig, StallConfig
 from trainguard.detectors.base import Blocks, Detector, MetricPoint, fmt
-from trainguard.detectors.series import MetricSeries, first_true, quadratic_residuals, stop_at
+from trainguard.detectors.series import (
+    MetricSeries,
+    first_true,
+    median_of,
+    quadratic_residuals,
+    stop_at,
+)
 from trainguard.detectors.stats import (
     MAD_TO_SIGMA,
     WARM_RESTART,
@@ -175,10 +181,9 @@ class DivergenceDetector(Detector):
         block = self.blocks.add(point.loss) if point.loss_finite else None
         if block is None:
             return []
-        rows = np.asarray([block], dtype=np.float64)
-        centres, spreads = _median_and_spread(rows)
-        self.medians.append(float(centres[0]))
-        self.spreads.append(float(spreads[0]))
+        centre, spread = _median_and_spread(block)
+        self.medians.append(float(centre))
+        self.spreads.append(float(spread))
         if point.lr is not None and math.isfinite(point.lr):
             self.block_lrs.append(point.lr)
         if len(self.medians) < self.config.blocks:
@@ -262,11 +267,21 @@ class DivergenceDetector(Detector):
         return stop_at(idx, None if first is None else done.ends[f], series, start)
 
 
-def _median_and_spread(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each block's median, and its median absolute deviation from it (the noise within)."""
+def _median_and_spread(rows: Any) -> tuple[Any, Any]:
+    """Each block's median, and its median absolute deviation from it (the noise within): of
+    the rows of an array, or of one block (a list: the live path, in floats)."""
+    if isinstance(rows, list):
+        centre = _median_as_numpy(rows)
+        return centre, _median_as_numpy([abs(x - centre) for x in rows])
     centres = np.median(rows, axis=1)
     spreads: np.ndarray = np.median(np.abs(rows - centres[:, None]), axis=1)
     return centres, spreads
+
+
+def _median_as_numpy(values: list[float]) -> float:
+    """`np.median` of plain floats: a sort, and numpy itself for a zero (its sign)."""
+    out = median_of(values)
+    return out if out != 0 else float(np.median(np.asarray(values, dtype=np.float64)))
 
 
 def lr_jumped(lrs: np.ndarray, counts: np.ndarray, keep: int) -> np.ndarray:
