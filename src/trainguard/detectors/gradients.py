@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -12,7 +14,9 @@ from trainguard.config import GradExplosionConfig, GradSpikeConfig, VanishingCon
 from trainguard.detectors.base import Detector, MetricPoint, SpikeRun, StateParts, fmt
 from trainguard.detectors.series import (
     MetricSeries,
+    divide_where_positive,
     first_true,
+    median_of,
     rolling_median,
     stop_at,
     windows_of,
@@ -115,14 +119,14 @@ class GradSpikeDetector(Detector):
             return []
         self.groups.update(point)
         cfg = self.config
-        values = np.array([g])
-        held, level_of, ratio_of = self._levels(values)
-        limit_of, over_ratio_of, over_abs_of = self._passes(held, ratio_of, values, 0, 1)
-        if not (over_ratio_of[0] or over_abs_of[0]):
-            self._accept(values, ratio_of)
+        level_of, ratio_of, limit_of, over_ratio_of, over_abs = self._judge_one(g)
+        if not (over_ratio_of or over_abs):
+            self.run.end()
+            self.window.append(float(g))
+            if math.isfinite(ratio_of):
+                self._count_bins([_excess_bin_one(ratio_of - 1.0)])
             return []
-        over_abs = bool(over_abs_of[0])
-        level, ratio, limit = (_known(x[0]) for x in (level_of, ratio_of, limit_of))
+        level, ratio, limit = (_known(x) for x in (level_of, ratio_of, limit_of))
         if self.run.active:
             new_level = self.run.extend(g)
             if new_level is not None:
@@ -132,7 +136,7 @@ class GradSpikeDetector(Detector):
                     self.run.end()
             return []
         self.run.start(g)
-        if over_ratio_of[0]:
+        if over_ratio_of:
             message = (
                 f"gradient norm {fmt(g)} is {fmt(ratio)}x its recent median {fmt(level)}, "
                 f"over the {fmt(limit)}x its own outliers reach"
@@ -183,7 +187,7 @@ class GradSpikeDetector(Detector):
         # only a step over the configured ratio or the absolute limit may pass its limits
         limit = math.inf if cfg.abs_limit is None else cfg.abs_limit
         lo = 0
-        for k in np.flatnonzero((ratio > cfg.ratio_threshold) | (g > limit)).tolist():
+        for k in np.flatnonzero(self._needs_limit(ratio) | (g > limit)).tolist():
             self._accept(g[lo:k], ratio[lo:k])  # the reach in force at k, as step by step
             _, over_ratio, over_abs = self._passes(held, ratio, g, k, k + 1)
             if over_ratio[0] or over_abs[0]:
@@ -206,24 +210,45 @@ class GradSpikeDetector(Detector):
             ratio = np.where(level > 0, g / level, np.nan)
         return held, level, ratio
 
+    def _judge_one(self, g: float) -> tuple[float, float, float, bool, bool]:
+        """`_levels` and `_passes` of one new grad norm, in floats (the live path): its level,
+        ratio and limit, and whether it passes that and the absolute limit."""
+        width = len(self.window)
+        level = math.nan
+        if width >= max(self.config.warmup, 1):
+            level = float(median_of(list(self.window)))
+        ratio = divide_where_positive(g, level, math.nan)
+        limit = math.nan
+        if self._needs_limit(ratio):
+            row = np.fromiter(self.window, np.float64, width)[None, :]
+            limit = float(self._limits(np.log(np.maximum(row, LOG_FLOOR)))[0])
+        return level, ratio, limit, bool(ratio > limit), bool(self._over_abs(g))
+
+    def _needs_limit(self, ratio: Any) -> Any:
+        """Which ratios are over the configured one: only those may pass the limit, computed
+        there alone (arrays, or a float)."""
+        return ratio > self.config.ratio_threshold
+
+    def _over_abs(self, g: Any) -> Any:
+        """Which grad norms pass `abs_limit` (none when unset); arrays, or a float."""
+        if self.config.abs_limit is None:
+            return np.zeros(len(g), dtype=bool) if isinstance(g, np.ndarray) else False
+        return g > self.config.abs_limit
+
     def _passes(
         self, held: np.ndarray, ratio: np.ndarray, g: np.ndarray, lo: int, hi: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For the new steps `lo:hi` of `_levels`: the limit on each ratio (NaN under the
         configured ratio, where none is needed), and whether each passes it and the absolute
         limit, with the reach as it stands."""
-        cfg = self.config
         width = len(held) - len(g)
         ratios = ratio[lo:hi]
         limit = np.full(hi - lo, np.nan)
-        high = np.flatnonzero(ratios > cfg.ratio_threshold)
+        high = np.flatnonzero(self._needs_limit(ratios))
         if len(high):
             rows = windows_of(held[:-1], width)[lo + high]
             limit[high] = self._limits(np.log(np.maximum(rows, LOG_FLOOR)))
-        over_ratio = ratios > limit
-        if cfg.abs_limit is None:
-            return limit, over_ratio, np.zeros(hi - lo, dtype=bool)
-        return limit, over_ratio, g[lo:hi] > cfg.abs_limit
+        return limit, ratios > limit, self._over_abs(g[lo:hi])
 
     def _accept(self, g: np.ndarray, ratio: np.ndarray) -> None:
         """Add non-spike grad norms (and their ratios to their levels) to the window and the
@@ -232,7 +257,7 @@ class GradSpikeDetector(Detector):
             return
         self.run.end()
         self.window.extend(g[-(self.window.maxlen or len(g)) :].tolist())
-        self._count(ratio[np.isfinite(ratio)] - 1.0)
+        self._count_bins(_excess_bin(ratio[np.isfinite(ratio)] - 1.0))
 
     def _limits(self, log_rows: np.ndarray) -> np.ndarray:
         """The ratio over the level a grad norm must pass, for windows of log grad norms: the
@@ -244,10 +269,10 @@ class GradSpikeDetector(Detector):
         out: np.ndarray = np.maximum(max(self.config.ratio_threshold, 1.0 + self.reach), noise)
         return out
 
-    def _count(self, excess: np.ndarray) -> None:
-        """Count non-spike steps' excesses over their level, in order: the old counts halve at
-        FORGET_AT and the tail is re-read at every RECOUNT_EVERY-th count past TAIL_SAMPLES."""
-        bins = _excess_bin(excess)
+    def _count_bins(self, bins: Sequence[int] | np.ndarray) -> None:
+        """Count non-spike steps' excesses over their level (their bins), in order: the old
+        counts halve at FORGET_AT and the tail is re-read at every RECOUNT_EVERY-th count past
+        TAIL_SAMPLES."""
         done = 0
         while done < len(bins):
             counted = int(self.excess_total)
@@ -262,11 +287,11 @@ class GradSpikeDetector(Detector):
                 self._add(bins[done : done + take])
             done += take
 
-    def _add(self, bins: np.ndarray) -> None:
+    def _add(self, bins: Sequence[int] | np.ndarray) -> None:
         """Add counts to the histogram; at FORGET_AT counts the old ones halve."""
         if len(bins) == 1:  # one count, the live case: no histogram of zeros to add
             self.excess_hist[bins[0]] += 1.0
-        else:
+        elif len(bins):
             self.excess_hist += np.bincount(bins, minlength=EXCESS_BINS)
         self.excess_total += len(bins)
         if self.excess_total >= FORGET_AT:
@@ -297,6 +322,13 @@ def _excess_bin(excess: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):
         bins: np.ndarray = np.clip(np.floor(excess / EXCESS_BIN), 0, EXCESS_BINS - 1)
     return bins.astype(np.int64)
+
+
+def _excess_bin_one(excess: float) -> int:
+    """`_excess_bin` of one excess, in plain floats where it lies well inside float range."""
+    if -1e6 < excess < 1e6:
+        return min(max(math.floor(excess / EXCESS_BIN), 0), EXCESS_BINS - 1)
+    return int(_excess_bin(np.asarray(excess)))
 
 
 def _upper_quantile(hist: np.ndarray, total: float, beyond: float) -> float:
@@ -334,13 +366,19 @@ class GradExplosionDetector(Detector):
             return []
         self.groups.update(point)
         cfg = self.config
-        growing, over = self._tests(np.array([g]))
+        n = cfg.growth_steps + 1
+        row = [*list(self.history)[-(n - 1) :], g] if n > 1 else [g]
+        growing = len(row) == n and bool(
+            self._grows(all(b - a > 0 for a, b in itertools.pairwise(row)), row[0], row[-1])
+        )
+        over = bool(self._over_abs(g))
         was_active = self.active
-        self._accept(np.array([g]), growing | over)
-        if not (growing[0] or over[0]) or was_active:
+        self.history.append(float(g))
+        self.active = growing or over
+        if not (growing or over) or was_active:
             return []
         h = list(self.history)
-        if growing[0]:
+        if growing:
             message = (
                 f"gradient norm grew {fmt(h[-1] / h[0])}x over {cfg.growth_steps} consecutive "
                 f"steps, from {fmt(h[0])} to {fmt(g)}"
@@ -380,18 +418,24 @@ class GradExplosionDetector(Detector):
         growing = np.zeros(len(g), dtype=bool)
         if len(v) >= n:
             rows = windows_of(v, n)  # row r ends at v[r + n - 1]
-            with np.errstate(divide="ignore", invalid="ignore"):
-                ok = (
-                    np.all(np.diff(rows, axis=1) > 0, axis=1)
-                    & (rows[:, 0] > 0)
-                    & (rows[:, -1] / rows[:, 0] >= cfg.growth_factor)
-                )
+            rising = np.all(np.diff(rows, axis=1) > 0, axis=1)
+            ok = self._grows(rising, rows[:, 0], rows[:, -1])
             ends = np.arange(n - 1, len(v)) - held  # the new value each row ends at
             keep = ends >= 0
             growing[ends[keep]] = ok[keep]
-        if cfg.abs_limit is None:
-            return growing, np.zeros(len(g), dtype=bool)
-        return growing, g > cfg.abs_limit
+        return growing, self._over_abs(g)
+
+    def _grows(self, rising: Any, first: Any, last: Any) -> Any:
+        """The growth rule on runs of `growth_steps` + 1 norms (arrays of them, or one): a rise
+        at every step, from a positive norm, by `growth_factor` in all."""
+        factor = divide_where_positive(last, first, math.nan)
+        return rising & (first > 0) & (factor >= self.config.growth_factor)
+
+    def _over_abs(self, g: Any) -> Any:
+        """Which grad norms pass `abs_limit` (none when unset); arrays, or a float."""
+        if self.config.abs_limit is None:
+            return np.zeros(len(g), dtype=bool) if isinstance(g, np.ndarray) else False
+        return g > self.config.abs_limit
 
     def _accept(self, g: np.ndarray, fires: np.ndarray) -> None:
         """Add grad norms to the history; the incident is on while the last one fires."""
@@ -419,7 +463,7 @@ class VanishingGradientDetector(Detector):
         self.loss: float | None = None  # the latest finite loss
 
     def update(self, point: MetricPoint) -> list[Event]:
-        self._follow_loss(np.array([point.loss], dtype=np.float64))
+        self._follow_loss([point.loss] if math.isfinite(point.loss) else [])
         groups = point.group_grad_norms
         if not groups or not point.grads_finite:
             return []
@@ -459,15 +503,15 @@ class VanishingGradientDetector(Detector):
             return [self.event(point, "info", message, {"groups": newly, "figures": details})]
         return [self.event(point, "warning", message, {"groups": newly, "figures": details})]
 
-    def _follow_loss(self, losses: np.ndarray) -> None:
-        """The latest finite loss, and the median of the first `reference_steps` ones."""
-        finite = losses[np.isfinite(losses)]
+    def _follow_loss(self, finite: Sequence[float] | np.ndarray) -> None:
+        """Of the next finite losses: the latest, and the median of the first `reference_steps`
+        ones."""
         if not len(finite):
             return
         self.loss = float(finite[-1])
         if self.loss_reference is None:
             need = self.config.reference_steps - len(self.early_losses)
-            self.early_losses.extend(finite[:need].tolist())
+            self.early_losses.extend(float(x) for x in finite[:need])
             if len(self.early_losses) >= self.config.reference_steps:
                 self.loss_reference = median(self.early_losses)
                 self.early_losses = []
@@ -475,5 +519,6 @@ class VanishingGradientDetector(Detector):
     def advance(self, series: MetricSeries, start: int) -> int:
         if series.has_groups:
             return start
-        self._follow_loss(series.loss[start:])  # no groups: nothing can vanish
+        losses = series.loss[start:]
+        self._follow_loss(losses[np.isfinite(losses)])  # no groups: nothing can vanish
         return len(series)

@@ -4,13 +4,13 @@ the original alert check, raised as an `info` event that the policy takes no act
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from trainguard.config import AlertsConfig
 from trainguard.detectors.base import Detector, MetricPoint, fmt
-from trainguard.detectors.series import MetricSeries, ema, first_true, stop_at
+from trainguard.detectors.series import MetricSeries, ema, ema_one, first_true, stop_at
 from trainguard.events import SEVERITY_RANK, Event
 
 KIND = "loss_above_ema"
@@ -47,24 +47,21 @@ class LossEmaDetector(Detector):
             return np.full(1, np.nan)
         return np.concatenate(([np.nan], ema(losses[1:], float(losses[0]), self.alpha)))
 
-    def _over(self, losses: np.ndarray, emas: np.ndarray) -> np.ndarray:
-        """The rule, once for both paths: a loss over `ratio` x the EMA before it, from the
-        `WARMUP + 1`-th finite loss on."""
-        seen_before = self.seen + np.arange(len(losses))
-        with np.errstate(invalid="ignore"):
-            return (seen_before >= WARMUP) & (losses > self.ratio * emas[:-1])
+    def _over(self, seen_before: Any, losses: Any, before: Any) -> Any:
+        """The rule, once for both paths: a loss over `ratio` x the EMA before it (NaN while
+        none), from the `WARMUP + 1`-th finite loss on; arrays, or one step's figures."""
+        return (seen_before >= WARMUP) & (losses > self.ratio * before)
 
     def update(self, point: MetricPoint) -> list[Event]:
         if not math.isfinite(point.loss):
             return []
-        losses = np.array([point.loss])
-        emas = self._emas(losses)
-        over = bool(self._over(losses, emas)[0])
-        before, self.ema = self.ema, float(emas[-1])
+        loss = point.loss
+        before = self.ema
+        over = bool(self._over(self.seen, loss, math.nan if before is None else before))
+        self.ema = float(loss) if before is None else ema_one(float(loss), before, self.alpha)
         self.seen += 1
         if not over or before is None:
             return []
-        loss = point.loss
         message = f"loss {fmt(loss)} is over {self.ratio:g} x its EMA {fmt(before)}"
         return [
             self.event(point, "info", message, {"loss": loss, "ema": before, "ratio": self.ratio})
@@ -75,7 +72,9 @@ class LossEmaDetector(Detector):
         if len(losses) == 0:
             return series.chunk_end(start)
         emas = self._emas(losses)
-        first = first_true(self._over(losses, emas))
+        with np.errstate(invalid="ignore"):
+            over = self._over(self.seen + np.arange(len(losses)), losses, emas[:-1])
+        first = first_true(over)
         f = len(losses) if first is None else first
         if f > 0:
             self.ema = float(emas[f])

@@ -15,13 +15,19 @@ from trainguard.config import LossSpikeConfig
 from trainguard.detectors.base import Detector, MetricPoint, SpikeRun, fmt
 from trainguard.detectors.series import (
     MetricSeries,
+    divide_where_positive,
     first_true,
+    maximum,
+    mean_of,
+    median_of,
     noise_sigmas,
     rolling_median,
     spread_sigmas,
+    square_root,
     stop_at,
     trailing_means,
     warm_ema,
+    warm_ema_one,
     windows_of,
 )
 from trainguard.detectors.stats import (
@@ -62,23 +68,27 @@ SPREAD_NEAR = 1.5  # even early in training, where over the whole window the los
 # and the baseline is not swinging periodically: a swing is signal, judged apart (`_swing`)
 
 
+Values = Any  # a chunk's figures as arrays (`_measure`), or one step's as floats (`_measure_one`)
+
+
 @dataclass
 class _Measures:
     """`LossSpikeDetector._measure` of a chunk of losses: one value a step (`noise_var` has one
-    more: the value before each step, and after the last)."""
+    more: the value before each step, and after the last); or `_measure_one` of one loss, floats
+    (`noise_var` the value before it)."""
 
-    losses: np.ndarray
-    base_mean: np.ndarray
-    short: np.ndarray
-    drift: np.ndarray
-    level: np.ndarray
-    noise_var: np.ndarray
-    sigma: np.ndarray
-    jump: np.ndarray
-    z: np.ndarray
-    z_noise: np.ndarray
-    below: np.ndarray
-    ratio: np.ndarray
+    losses: Values
+    base_mean: Values
+    short: Values
+    drift: Values
+    level: Values
+    noise_var: Values
+    sigma: Values
+    jump: Values
+    z: Values
+    z_noise: Values
+    below: Values
+    ratio: Values
 
     def at(self, k: int) -> _Measures:
         """The measures of step `k` alone."""
@@ -224,21 +234,17 @@ class LossSpikeDetector(Detector):
         if len(self.window) < cfg.warmup:
             self._accept(loss, point.grad_norm, None)
             return events
-        m = self._measure(np.array([loss]))
+        m = self._measure_one(loss)
         if self.noise_var is None:
-            self.noise_var = float(m.noise_var[0])
-        self.short, self.drift = float(m.short[0]), float(m.drift[0])
+            self.noise_var = float(m.noise_var)
+        self.short, self.drift = float(m.short), float(m.drift)
         self.noise_age += 1
         base_mean, level, sigma, jump, z, z_noise, below, ratio = (
-            float(x[0])
+            float(x)
             for x in (m.base_mean, m.level, m.sigma, m.jump, m.z, m.z_noise, m.below, m.ratio)
         )
         z_rule_of, ratio_rule_of, elevated_of, threshold = self._rules(m, self.tail, self.reach)
-        z_rule, ratio_rule, elevated = (
-            bool(z_rule_of[0]),
-            bool(ratio_rule_of[0]),
-            bool(elevated_of[0]),
-        )
+        z_rule, ratio_rule, elevated = bool(z_rule_of), bool(ratio_rule_of), bool(elevated_of)
         if self.run.active:
             if z_rule or ratio_rule or z > 0.5 * cfg.persist_z * self.tail:  # not back yet
                 new_level = self.run.extend(loss)
@@ -401,49 +407,99 @@ class LossSpikeDetector(Detector):
         if not len(refresh):
             short, drift = np.full(m, self.short), np.full(m, self.drift)
         else:
-            rows = windows_of(v[:-1], held)[refresh]
-            fresh, fresh_drift = noise_sigmas(rows)
-            spread, near_spread = _bounded_spread(rows)
-            raised = np.minimum(spread, near_spread) > SPREAD_MIN * fresh  # both spans agree
-            for j in np.flatnonzero(raised).tolist():
-                if self._swing(rows[j].tolist()) is None:  # a swing's spread is no noise
-                    fresh[j] = min(float(spread[j]), SPREAD_CAP * float(fresh[j]))
+            fresh, fresh_drift = self._noise_of(windows_of(v[:-1], held)[refresh])
             which = np.searchsorted(refresh, np.arange(m), side="right") - 1
             short = np.where(which >= 0, fresh[np.maximum(which, 0)], self.short)
             drift = np.where(which >= 0, fresh_drift[np.maximum(which, 0)], self.drift)
         near_width = min(cfg.level_window, held)
         near = rolling_median(v[held - near_width : -1], near_width)
-        level = near
         span = min(self._long_window, held)
-        if span > cfg.level_window:  # a short dip does not drag the level a spike is judged on
-            long = rolling_median(v[held - span : -1], span) + drift * self._long_shift
-            level = np.maximum(near, long)
+        long = None
+        if span > cfg.level_window:
+            long = rolling_median(v[held - span : -1], span)
         last = math.nan if self.last is None else self.last
-        diffs = losses - np.concatenate(([last], losses[:-1])) - drift
+        diffs = self._diffs(losses, np.concatenate(([last], losses[:-1])), drift)
         start = short[0] * short[0] if self.noise_var is None else self.noise_var
-        noise_var = warm_ema(0.5 * diffs * diffs, start, self.noise_count, cfg.noise_horizon)
-        sigma = np.maximum(short, np.sqrt(noise_var[:-1]))
+        noise_var = warm_ema(diffs, start, self.noise_count, cfg.noise_horizon)
+        return self._judged(losses, base_mean, short, drift, near, long, noise_var, noise_var[:-1])
+
+    def _measure_one(self, loss: float) -> _Measures:
+        """`_measure` of one new loss, in floats: the same figures, without numpy's fixed cost
+        of one-element arrays (the live path)."""
+        cfg = self.config
+        window = self.window
+        held = len(window)
+        if self.noise_age % NOISE_EVERY == 0:  # `_measure`'s refresh at age 0 mod NOISE_EVERY
+            rows = np.fromiter(window, np.float64, held)[None, :]
+            base_mean = mean_of(rows[0])
+            fresh, fresh_drift = self._noise_of(rows)
+            short, drift = float(fresh[0]), float(fresh_drift[0])
+        else:
+            base_mean = mean_of(np.fromiter(window, np.float64, held))
+            short, drift = self.short, self.drift
+        near_width, span = min(cfg.level_window, held), min(self._long_window, held)
+        recent = list(itertools.islice(window, held - max(near_width, span), held))
+        near = median_of(recent[-near_width:])
+        long = median_of(recent[-span:]) if span > cfg.level_window else None
+        start = short * short if self.noise_var is None else self.noise_var
+        return self._judged(loss, base_mean, short, drift, near, long, start, start)
+
+    @staticmethod
+    def _diffs(losses: Values, before: Values, drift: Values) -> Values:
+        """Half the squared step-to-step change less the drift: what the long-run noise
+        averages."""
+        diffs = losses - before - drift
+        return 0.5 * diffs * diffs
+
+    def _judged(
+        self,
+        losses: Values,
+        base_mean: Values,
+        short: Values,
+        drift: Values,
+        near: Values,
+        long: Values | None,
+        noise_var: Values,
+        noise_before: Values,
+    ) -> _Measures:
+        """The figures a loss is judged on from the window's: the level, noise, z and ratio, on
+        arrays (a chunk) or floats (one step) alike."""
+        level = near
+        if long is not None:  # a short dip does not drag the level a spike is judged on
+            level = maximum(near, long + drift * self._long_shift)
+        sigma = maximum(short, square_root(noise_before))
         jump = losses - level
         # the noise's own deviations, from the near level, for its tails: the z of a baseline
         # step, and how far below where the drift has taken the level by now it is
         dev = losses - near
-        with np.errstate(divide="ignore", invalid="ignore"):
-            z, z_noise = _over_noise(jump, sigma), _over_noise(dev, sigma)
-            below = np.where(sigma > 0, (dev - self._lag * drift) / sigma, 0.0)
-            ratio = np.where(base_mean > 0, losses / base_mean, np.nan)
+        z, z_noise = _over_noise(jump, sigma), _over_noise(dev, sigma)
+        below = divide_where_positive(dev - self._lag * drift, sigma, 0.0)
+        ratio = divide_where_positive(losses, base_mean, math.nan)
         return _Measures(
             losses, base_mean, short, drift, level, noise_var, sigma, jump, z, z_noise, below, ratio
         )
 
+    def _noise_of(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The short-run noise and drift of windows of baseline losses (rows): from first
+        differences, raised up to SPREAD_CAP x by the spread about a quadratic where both spans
+        agree the noise is correlated and the window is not swinging."""
+        fresh, fresh_drift = noise_sigmas(rows)
+        spread, near_spread = _bounded_spread(rows)
+        raised = np.minimum(spread, near_spread) > SPREAD_MIN * fresh  # both spans agree
+        for j in np.flatnonzero(raised).tolist():
+            if self._swing(rows[j].tolist()) is None:  # a swing's spread is no noise
+                fresh[j] = min(float(spread[j]), SPREAD_CAP * float(fresh[j]))
+        return fresh, fresh_drift
+
     def _rules(
         self, m: _Measures, tail: float, reach: float
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    ) -> tuple[Values, Values, Values, float]:
         """Which steps pass the z-score rule, the ratio rule, and the persistence threshold (a
         spike once it holds `persist_steps`), with the tail factor and reach in force; and the z
-        threshold."""
+        threshold. Arrays for `_measure`'s chunk, bools for `_measure_one`'s step."""
         cfg = self.config
         threshold = max(cfg.z_threshold, reach)
-        big = m.jump > cfg.min_rel_jump * np.abs(m.level)
+        big = m.jump > cfg.min_rel_jump * abs(m.level)
         z_rule = (m.z > threshold) & big
         ratio_rule = (
             (m.base_mean > 0)
@@ -511,11 +567,12 @@ class LossSpikeDetector(Detector):
     ) -> None:
         """Add a non-spike step to the baseline and to the long-run noise and tail estimates."""
         if self.last is not None and self.noise_var is not None:
-            d = loss - self.last - self.drift
-            noise_var = warm_ema(
-                np.array([0.5 * d * d]), self.noise_var, self.noise_count, self.config.noise_horizon
+            self.noise_var = warm_ema_one(
+                self._diffs(loss, self.last, self.drift),
+                self.noise_var,
+                self.noise_count,
+                self.config.noise_horizon,
             )
-            self.noise_var = float(noise_var[1])
             self.noise_count += 1
         self.last = loss
         self.window.append(loss)
@@ -523,7 +580,7 @@ class LossSpikeDetector(Detector):
             self.grads.append(grad_norm)
         if z is not None and math.isfinite(z):
             if below is not None and self.z_total < TAIL_MIN_SAMPLES:
-                self.low_hist[int(_low_bin(np.asarray(below)))] += 1.0
+                self.low_hist[_low_bin_one(below)] += 1.0
             self._count_z(abs(z))
 
     def _count_z(self, z: float) -> None:
@@ -679,13 +736,21 @@ class LossSpikeDetector(Detector):
         )
 
 
-def _over_noise(deviation: np.ndarray, sigma: np.ndarray) -> np.ndarray:
-    """Deviations in noise deviations; with no noise, infinite above and 0 otherwise."""
+def _over_noise(deviation: Values, sigma: Values) -> Values:
+    """Deviations in noise deviations; with no noise, infinite above and 0 otherwise (arrays, or
+    floats)."""
+    if not isinstance(sigma, np.ndarray):
+        if sigma > 0:  # the common case, in floats
+            return deviation / sigma
+        return float(_over_noise(np.array([deviation]), np.array([sigma]))[0])
     positive = sigma > 0
     if positive.all():  # a noise everywhere: the plain quotient
         quotient: np.ndarray = deviation / sigma
         return quotient
-    out: np.ndarray = np.where(positive, deviation / sigma, np.where(deviation > 0, np.inf, 0.0))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out: np.ndarray = np.where(
+            positive, deviation / sigma, np.where(deviation > 0, np.inf, 0.0)
+        )
     return out
 
 
@@ -704,6 +769,13 @@ def _low_bin(values: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):  # a value near the float limit bins at the end
         bins: np.ndarray = np.clip(np.floor(values / Z_BIN) + Z_BINS, 0, LOW_BINS - 1)
     return bins.astype(np.int64)
+
+
+def _low_bin_one(value: float) -> int:
+    """`_low_bin` of one value, in plain floats where it lies well inside float range."""
+    if -1e6 < value < 1e6:
+        return min(max(math.floor(value / Z_BIN) + Z_BINS, 0), LOW_BINS - 1)
+    return int(_low_bin(np.asarray(value)))
 
 
 def _signed_quantile(hist: np.ndarray, share: float) -> float:

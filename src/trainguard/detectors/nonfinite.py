@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -37,10 +40,11 @@ def inferred_overflow(loss: np.ndarray, grad_norm: np.ndarray | None) -> np.ndar
     return out
 
 
-def _flagged(loss: np.ndarray, grads_bad: np.ndarray, overflow: np.ndarray) -> np.ndarray:
-    """The steps that raise an event: a non-finite loss or gradients, or an overflow."""
-    out: np.ndarray = ~np.isfinite(loss) | grads_bad | overflow
-    return out
+def _flagged(loss: Any, grads_bad: Any, overflow: Any) -> Any:
+    """The steps that raise an event: a non-finite loss or gradients, or an overflow (arrays of
+    steps, or one step's float and bools)."""
+    bad_loss = ~np.isfinite(loss) if isinstance(loss, np.ndarray) else not math.isfinite(loss)
+    return bad_loss | grads_bad | overflow
 
 
 class NonFiniteDetector(Detector):
@@ -59,10 +63,7 @@ class NonFiniteDetector(Detector):
         if point.overflow:
             return self._overflow(point)
         self.overflow_run = 0
-        flagged = _flagged(
-            np.array([point.loss]), np.array([not point.grads_finite]), np.array([point.overflow])
-        )
-        if not flagged[0]:
+        if not _flagged(point.loss, not point.grads_finite, point.overflow):
             return []
         parts = []
         if not point.loss_finite:

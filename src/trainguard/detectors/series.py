@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -131,15 +132,19 @@ def trailing_means(values: np.ndarray, held: int, window: int) -> np.ndarray:
     """Mean of the (up to) `window` values before each new value, where `values` starts with the
     `held` values already in a detector's window."""
     if len(values) == held + 1:  # one new value, the live case: one sum, no prefix sums
-        first = max(held - window, 0)
-        total = float(np.sum(values[first:held]))
-        return np.array([total / (held - first) if held > first else math.nan], dtype=np.float64)
+        mean = mean_of(values[max(held - window, 0) : held])
+        return np.array([mean], dtype=np.float64)
     sums = np.concatenate(([0.0], np.cumsum(values)))
     hi = np.arange(held, len(values))
     lo = np.maximum(hi - window, 0)
     with np.errstate(invalid="ignore", divide="ignore"):
         out: np.ndarray = (sums[hi] - sums[lo]) / (hi - lo)
     return out
+
+
+def mean_of(values: np.ndarray) -> float:
+    """The mean of one window (NaN when empty): `trailing_means` of a single new value."""
+    return float(np.add.reduce(values)) / len(values) if len(values) else math.nan
 
 
 def windows_of(values: np.ndarray, width: int) -> np.ndarray:
@@ -153,7 +158,7 @@ def windows_of(values: np.ndarray, width: int) -> np.ndarray:
 def rolling_median(values: np.ndarray, width: int) -> np.ndarray:
     """Median of each run of `width` consecutive values (exact: a selection, not an estimate)."""
     if len(values) == width:  # one window, the live case: a sort of plain floats
-        return np.array([_median_of(values.tolist())], dtype=np.float64)
+        return np.array([median_of(values.tolist())], dtype=np.float64)
     if width == 5:  # the default level window: a min/max network, no sort
         a, b, c, d, e = (values[i : len(values) - 4 + i] for i in range(5))
         lo = np.maximum(np.minimum(a, b), np.minimum(c, d))
@@ -168,7 +173,7 @@ def rolling_median(values: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
-def _median_of(values: list[float]) -> float:
+def median_of(values: list[float]) -> float:
     """The median of plain floats as `np.median` gives it (NaN where any value is NaN)."""
     if math.isnan(sum(values)) and any(v != v for v in values):  # NaN: the sum tells cheaply
         return math.nan
@@ -224,7 +229,7 @@ def ema(x: np.ndarray, start: float, alpha: float) -> np.ndarray:
     that the powers of (1 - alpha) stay well inside float range."""
     beta = 1.0 - alpha
     if len(x) == 1:  # one value, the live case: one multiply-add
-        return np.array([start, beta * start + alpha * float(x[0])], dtype=np.float64)
+        return np.array([start, ema_one(float(x[0]), start, alpha)], dtype=np.float64)
     block = max(1, min(4096, int(math.log(1e6) / -math.log(beta)))) if beta > 0 else 1
     out = np.empty(len(x) + 1)
     out[0] = start
@@ -240,11 +245,23 @@ def ema(x: np.ndarray, start: float, alpha: float) -> np.ndarray:
     return out
 
 
+def ema_one(x: float, start: float, alpha: float) -> float:
+    """`ema` after one value `x`."""
+    return (1.0 - alpha) * start + alpha * x
+
+
+def warm_ema_one(x: float, start: float, count: int, horizon: int) -> float:
+    """`warm_ema` after one value `x`: the running mean while warming, else one EMA step."""
+    if count < horizon:
+        return (count * start + x) / (count + 1)
+    return ema_one(x, start, 1.0 / horizon)
+
+
 def warm_ema(x: np.ndarray, start: float, count: int, horizon: int) -> np.ndarray:
     """The running mean of the first values, then an EMA over `horizon`: y[k+1] = y[k] + a (x[k]
     - y[k]) with a = max(1 / horizon, 1 / n), n counting the values (`count` seen before)."""
-    if len(x) == 1 and count < horizon:  # one value while warming: the running mean
-        return np.array([start, (count * start + float(x[0])) / (count + 1)], dtype=np.float64)
+    if len(x) == 1:  # one value, the live case
+        return np.array([start, warm_ema_one(float(x[0]), start, count, horizon)])
     out = np.empty(len(x) + 1)
     out[0] = start
     warm = min(len(x), max(horizon - count, 0))
@@ -254,6 +271,35 @@ def warm_ema(x: np.ndarray, start: float, count: int, horizon: int) -> np.ndarra
     if warm < len(x):
         out[warm:] = ema(x[warm:], float(out[warm]), 1.0 / horizon)
     return out
+
+
+def maximum(a: Any, b: Any) -> Any:
+    """`np.maximum`, on two floats without numpy's per-call cost where they differ (the same
+    value: numpy decides ties, signed zeros and NaN)."""
+    if type(a) is float and type(b) is float:
+        if a > b:
+            return a
+        if b > a:
+            return b
+        return float(np.maximum(a, b))
+    return np.maximum(a, b)
+
+
+def square_root(x: Any) -> Any:
+    """`np.sqrt`, on a float through `math.sqrt` (both correctly rounded) where it is defined."""
+    if type(x) is float and x >= 0:
+        return math.sqrt(x)
+    return float(np.sqrt(x)) if isinstance(x, float) else np.sqrt(x)
+
+
+def divide_where_positive(num: Any, den: Any, otherwise: float) -> Any:
+    """`num / den` where `den` > 0, else `otherwise`: on arrays element by element, or on
+    floats."""
+    if isinstance(den, np.ndarray):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out: np.ndarray = np.where(den > 0, num / den, otherwise)
+        return out
+    return num / den if den > 0 else otherwise
 
 
 def spread_sigmas(rows: np.ndarray) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections import deque
@@ -12,7 +13,13 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from trainguard.config import DivergenceConfig, OscillationConfig, StallConfig
 from trainguard.detectors.base import Blocks, Detector, MetricPoint, fmt
-from trainguard.detectors.series import MetricSeries, first_true, quadratic_residuals, stop_at
+from trainguard.detectors.series import (
+    MetricSeries,
+    first_true,
+    median_of,
+    quadratic_residuals,
+    stop_at,
+)
 from trainguard.detectors.stats import (
     MAD_TO_SIGMA,
     WARM_RESTART,
@@ -174,10 +181,9 @@ class DivergenceDetector(Detector):
         block = self.blocks.add(point.loss) if point.loss_finite else None
         if block is None:
             return []
-        rows = np.asarray([block], dtype=np.float64)
-        centres, spreads = _median_and_spread(rows)
-        self.medians.append(float(centres[0]))
-        self.spreads.append(float(spreads[0]))
+        centre, spread = _median_and_spread(block)
+        self.medians.append(float(centre))
+        self.spreads.append(float(spread))
         if point.lr is not None and math.isfinite(point.lr):
             self.block_lrs.append(point.lr)
         if len(self.medians) < self.config.blocks:
@@ -261,11 +267,21 @@ class DivergenceDetector(Detector):
         return stop_at(idx, None if first is None else done.ends[f], series, start)
 
 
-def _median_and_spread(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each block's median, and its median absolute deviation from it (the noise within)."""
+def _median_and_spread(rows: Any) -> tuple[Any, Any]:
+    """Each block's median, and its median absolute deviation from it (the noise within): of
+    the rows of an array, or of one block (a list: the live path, in floats)."""
+    if isinstance(rows, list):
+        centre = _median_as_numpy(rows)
+        return centre, _median_as_numpy([abs(x - centre) for x in rows])
     centres = np.median(rows, axis=1)
     spreads: np.ndarray = np.median(np.abs(rows - centres[:, None]), axis=1)
     return centres, spreads
+
+
+def _median_as_numpy(values: list[float]) -> float:
+    """`np.median` of plain floats: a sort, and numpy itself for a zero (its sign)."""
+    out = median_of(values)
+    return out if out != 0 else float(np.median(np.asarray(values, dtype=np.float64)))
 
 
 def lr_jumped(lrs: np.ndarray, counts: np.ndarray, keep: int) -> np.ndarray:
@@ -279,12 +295,26 @@ def lr_jumped(lrs: np.ndarray, counts: np.ndarray, keep: int) -> np.ndarray:
     return out
 
 
+MK_PAIRS_UP_TO = 64  # rows (the live path's one) whose pairs of values are taken all at once
+
+
+@functools.cache
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every pair of positions in `n` values, the earlier first (computed once a length)."""
+    before, after = np.triu_indices(n, 1)
+    return before, after
+
+
 def mann_kendall_many(rows: np.ndarray) -> np.ndarray:
     """`mann_kendall_z` of each row, vectorised."""
     n = rows.shape[1]
-    s = np.zeros(len(rows))
-    for i in range(n - 1):
-        s += np.sign(rows[:, i + 1 :] - rows[:, i : i + 1]).sum(axis=1)
+    if len(rows) <= MK_PAIRS_UP_TO:  # few rows: one sign a pair, in one go
+        before, after = _pairs(n)
+        s = np.sign(rows[:, after] - rows[:, before]).sum(axis=1)
+    else:  # many: a column at a time (the sums of signs are exact in any order)
+        s = np.zeros(len(rows))
+        for i in range(n - 1):
+            s += np.sign(rows[:, i + 1 :] - rows[:, i : i + 1]).sum(axis=1)
     sd = math.sqrt(n * (n - 1) * (2 * n + 5) / 18.0)
     out: np.ndarray = np.where(s > 0, (s - 1) / sd, np.where(s < 0, (s + 1) / sd, 0.0))
     return out
@@ -311,9 +341,9 @@ class OscillationDetector(Detector):
         if not point.loss_finite:
             return []
         cfg = self.config
-        checks = self._checks(1)
-        self._tick(np.array([point.loss]), checks)
-        if not len(checks):
+        checked = self._first_check() == 0
+        self._tick([float(point.loss)], 0 if checked else None)
+        if not checked:
             return []
         metrics = self._swing(np.asarray([self.window], dtype=np.float64))[0]
         if metrics is None:
@@ -338,28 +368,33 @@ class OscillationDetector(Detector):
             found = self._swing(sliding_window_view(v, w)[checks + held + 1 - w], stop=True)
             first = next((int(c) for c, m in zip(checks, found, strict=True) if m), None)
         f = len(losses) if first is None else first
-        self._tick(losses[:f], checks)
+        done = checks[checks < f]
+        self._tick(losses[:f].tolist(), int(done[-1]) if len(done) else None)
         return stop_at(idx, first, series, start)
 
     def _checks(self, m: int) -> np.ndarray:
         """Which of the next `m` finite losses (0 for the first) are checked for a swing, with
         none found before: every `check_every` steps once the window is full and no cooldown
         from the last swing is left."""
+        return np.arange(self._first_check(), m, self.config.check_every)
+
+    def _first_check(self) -> int:
+        """The first of the next finite losses (0-based) with the cooldown out, the window full
+        and `check_every` steps since the last check."""
         cfg = self.config
-        # the first k (0-based) with the cooldown out, the window full and `check_every` since
         cooled = self.cooldown - 1
         full = cfg.window - len(self.window) - 1
         due = cfg.check_every - self.since_check - 1
-        return np.arange(max(cooled, full, due, 0), m, cfg.check_every)
+        return max(cooled, full, due, 0)
 
-    def _tick(self, losses: np.ndarray, checks: np.ndarray) -> None:
-        """Take finite losses into the window and count them down to the next check."""
+    def _tick(self, losses: list[float], last_check: int | None) -> None:
+        """Take finite losses into the window and count them down to the next check (the last
+        of them checked: `last_check`, or None)."""
         f = len(losses)
         if f == 0:
             return
-        self.window.extend(losses[-self.config.window :].tolist())
-        done = checks[checks < f]
-        self.since_check = int(f - 1 - done[-1]) if len(done) else self.since_check + f
+        self.window.extend(losses[-self.config.window :])
+        self.since_check = self.since_check + f if last_check is None else f - 1 - last_check
         self.cooldown = max(self.cooldown - f, 0)
 
     def _swing(self, windows: np.ndarray, stop: bool = False) -> list[dict[str, Any] | None]:
