@@ -23,7 +23,7 @@ that a failure in one still prints the others, in the order they run:
    tests/test_hot_path.py does, the data faults are planted by position (the batch is bad
    wherever it is replayed) and the others by attempt: a call not undone by the lagged path's
    rollback (a returned 'rollback' there drops that call's step), so both paths meet each fault
-   at the same step; `guard.flush()` gives the lagged path's last decision. Reported: the
+   at the same step; `guard.judge_pending()` gives the lagged path's last decision. Reported: the
    (step, action) pairs of each path, whether they are identical (the target), whether the final
    weights are equal bit for bit and the largest difference, and, on CUDA, the clean run twice
    on the synchronous path (how deterministic the device itself is).
@@ -369,7 +369,7 @@ class GuardRun:
     def close(self) -> dict[str, Any]:
         """Judge the pending step, close, and what the guard says of its snapshots."""
         guard = self.guard
-        self.count(guard.flush())
+        self.count(guard.judge_pending())
         guard.close()
         events = guard_events(self.run_dir)
         try:
@@ -817,7 +817,7 @@ def syncs_on_path(
         per_step.append({"step": index, "kind": kind, **n})
 
     def flush(x: torch.Tensor, y: torch.Tensor) -> None:
-        guard.flush()  # the pending step, judged before close
+        guard.judge_pending()  # the pending step, judged before close
 
     flushed = counted(flush, batches[0])
     guard.close()
@@ -967,7 +967,7 @@ def fault_run(
             if not (path == "lagged" and decision.action == "rollback"):
                 attempt += 1  # the lagged path's rollback undoes this call's step unmade
             opt.zero_grad(set_to_none=True)
-        note(guard.flush())  # the step still pending on the lagged path
+        note(guard.judge_pending())  # the step still pending on the lagged path
     finally:
         opt.step = original  # type: ignore[method-assign]
         guard.close()
@@ -1191,7 +1191,7 @@ def report(result: dict[str, Any]) -> str:
                 f"Faults on the device at {fa['size']} ({fa['steps']} steps, each fault at "
                 f"step {fa['at']}, AdamW at {fa['lr']}, snapshot every {fa['snapshot_every']}; "
                 "the same seed on both paths; the actions as the guard returned them, the "
-                "lagged path's one call later, and its pending step from `flush()`):",
+                "lagged path's one call later, and its pending step from `judge_pending()`):",
                 "",
                 "| fault | sync path: actions | lagged path: actions | identical actions "
                 "| weights bitwise equal (max abs diff) | acted on |",
