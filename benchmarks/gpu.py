@@ -107,6 +107,7 @@ from torch import nn
 
 import trainguard as tg
 from _common import Block
+from trainguard.demo.scenarios import scaled_step
 
 try:  # the lagged hot path (issue 36)
     from trainguard.signals.lagged_reads import LaggedReads
@@ -907,17 +908,6 @@ class Planted:
             yield i, x, y, i in self.fault.nan
 
 
-def scaled(opt: torch.optim.Optimizer, original: Callable[[], Any], factor: float) -> Any:
-    """`original()` (the optimizer's step) with every group's LR `factor` times as large."""
-    for group in opt.param_groups:
-        group["lr"] *= factor
-    try:
-        return original()
-    finally:
-        for group in opt.param_groups:
-            group["lr"] /= factor
-
-
 def fault_run(
     s: Shape, device: torch.device, fault: Fault, hot_path: str, steps: int, lr: float
 ) -> dict[str, Any]:
@@ -952,7 +942,7 @@ def fault_run(
             if guard.global_step >= steps:
                 break
             burst = attempt in fault.burst
-            opt.step = functools.partial(scaled, opt, original, 100.0) if burst else original  # type: ignore[method-assign]
+            opt.step = functools.partial(scaled_step, opt, original, 100.0) if burst else original  # type: ignore[method-assign]
             if attempt == fault.corrupt_at:
                 with torch.no_grad():
                     model.head.weight.mul_(1e3)
