@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from enum import Enum
 from pathlib import Path
 from types import ModuleType
@@ -560,12 +561,21 @@ def version() -> None:
     typer.echo(__version__)
 
 
+def _program_name() -> str:
+    """How the user started trainguard: `python -m trainguard`, or the script's own name (click
+    would otherwise name another `python -m` host, such as pytest's, in its messages)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name in ("trainguard", "trainguard.__main__"):
+        return "python -m trainguard"
+    return os.path.basename(sys.argv[0]) or "trainguard"
+
+
 def main() -> None:
     """Entry point: run the app, turning every error into one line and exit code 2, never a
     traceback: trainguard's errors as they say, a path that failed with the OS's reason, and
     anything else as an internal error to report."""
     try:
-        code = app(standalone_mode=False)
+        code = app(standalone_mode=False, prog_name=_program_name())
     except typer.TyperException as exc:  # a wrong command, option or argument, in one line
         if type(exc).__name__ == "NoArgsIsHelpError":  # `trainguard` alone: the help
             exc.show()  # type: ignore[attr-defined]
