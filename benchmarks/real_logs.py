@@ -52,6 +52,7 @@ class Verdict:
     name: str
     half: str
     healthy: bool
+    kinds: list[str] = field(default_factory=list)  # the kind of each labelled incident
     fmt: str = ""
     points: int = 0
     error: str = ""
@@ -82,7 +83,8 @@ def judge(path: Path, label: dict[str, Any]) -> Verdict:
     """One log through `read_log` and `analyze` (default config), its alarms (events at warning
     or above) set against its labelled spans; an alarm within `SLACK_ROWS` logged rows after a
     span belongs to it (a persistence rule may confirm a few rows late)."""
-    out = Verdict(path.name, label.get("half") or file_half(path.name), bool(label["healthy"]))
+    half = label.get("half") or file_half(path.name)
+    out = Verdict(path.name, half, bool(label["healthy"]), list(label.get("kinds") or []))
     try:
         data = read_log(path)
         analysis = analyze(data)
@@ -177,7 +179,9 @@ def table(verdicts: list[Verdict]) -> list[str]:
         label = (
             "clean"
             if v.healthy
-            else "incident " + ", ".join(f"{a}-{b}" for a, b in v.found + v.missed)
+            else "incident "
+            + ", ".join(f"{a}-{b}" for a, b in sorted(v.found + v.missed))
+            + f" ({', '.join(v.kinds)})"
         )
         alarms = "; ".join(v.incidents[:6]) + (
             f"; ... ({len(v.incidents)} in all)" if len(v.incidents) > 6 else ""
