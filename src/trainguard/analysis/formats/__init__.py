@@ -44,6 +44,7 @@ def formats() -> list[LogFormat]:
     from trainguard.analysis.formats import (
         deepspeed,
         generic,
+        hf_stdout,
         hf_trainer_state,
         lightning_csv,
         llmc,
@@ -51,6 +52,7 @@ def formats() -> list[LogFormat]:
         modded_nanogpt,
         nanogpt,
         nemo,
+        olmo,
         torchtitan,
         wandb_csv,
     )
@@ -69,6 +71,8 @@ def formats() -> list[LogFormat]:
         modded_nanogpt.FORMAT,
         deepspeed.FORMAT,
         nemo.FORMAT,
+        olmo.FORMAT,
+        hf_stdout.FORMAT,
     ]
 
 

@@ -1,0 +1,102 @@
+"""The held-out corpus of real native logs (data/logs): labels, sources, halves and readers; the
+OLMo and ms-swift stdout readers; and the scoring of benchmarks/real_logs.py."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import real_logs as rl
+from trainguard.analysis import read_log
+
+FOLDER = rl.FOLDER
+SOURCE = re.compile(
+    r"[\w.-]+/[\w.-]+@[0-9a-f]{40}:\S+|https://github\.com/[\w.-]+/[\w.-]+/issues/\d+"
+)
+
+
+def test_labels_index_every_log_and_each_reads_in_its_native_format_with_its_source():
+    """labels.json names every file once; each reads with no warning, has a SOURCES.md entry,
+    the half the sha256 rule gives it, spans inside its steps, and is unhealthy exactly when it
+    lists incidents (each with its kind)."""
+    labels = rl.load_labels()
+    sources = (FOLDER / "SOURCES.md").read_text()
+    files = sorted(p.name for p in FOLDER.iterdir() if p.name not in ("labels.json", "SOURCES.md"))
+    assert sorted(labels) == files
+    formats = set()
+    for name, label in labels.items():
+        data = read_log(FOLDER / name)
+        formats.add(data.format)
+        assert len(data.steps) and not data.warnings, (name, data.warnings)
+        assert f"\n### {name}\n" in sources, f"{name} has no SOURCES.md entry"
+        assert SOURCE.fullmatch(label["source"]), label["source"]
+        even = int(hashlib.sha256(name.encode()).hexdigest(), 16) % 2 == 0
+        assert label["half"] == ("tune" if even else "held_out") == rl.file_half(name), name
+        assert label["healthy"] == (not label["instabilities"]), name
+        assert len(label["kinds"]) == len(label["instabilities"]), name
+        for key in ("instabilities", "outliers", "borderline"):
+            for start, end in label[key]:
+                assert data.steps[0] <= start <= end <= data.steps[-1], (name, key, start, end)
+    assert {"olmo", "hf_stdout", "hf_trainer_state", "nanogpt"} <= formats
+    assert {label["half"] for label in labels.values()} == {"tune", "held_out"}
+
+
+def test_olmo_blocks_give_one_row_per_step_with_grad_norm_lr_and_evaluation(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text(
+        "2025-12-12 11:05:02.009\thost:0\tolmo.train:979\tINFO\t[step=1/15000,epoch=0]\n"
+        "    optim/total_grad_norm=0.2370\n"
+        "    train/CrossEntropyLoss=2.998\n"
+        "    throughput/total_tokens=2,097,152\n"
+        "2025-12-12 11:05:05.850\thost:0\tolmo.train:979\tINFO\t[step=2/15000,epoch=0]\n"
+        "    optim/learning_rate_group0=0.0003\n"
+        "    train/CrossEntropyLoss=nan\n"
+        "    eval/c4_en-validation/CrossEntropyLoss=3.25\n"
+        "2025-12-12 11:05:09.701\thost:0\ttrain:375\tINFO\tSaving checkpoint...\n"
+        "    train/CrossEntropyLoss=9.9\n"  # outside a step block: not a row
+    )
+    data = read_log(log)
+    assert data.format == "olmo" and list(data.steps) == [1, 2]
+    assert data.loss[0] == pytest.approx(2.998) and data.loss[1] != data.loss[1]  # NaN kept
+    assert data.extra["grad_norm"][0] == pytest.approx(0.237)
+    assert data.extra["lr"][1] == pytest.approx(3e-4)
+    assert list(data.evals["step"]) == [2] and list(data.evals["loss"]) == [3.25]
+
+
+def test_ms_swift_dicts_inside_progress_bar_redraws_are_read_with_their_step(tmp_path):
+    log = tmp_path / "stdout.log"
+    bar = "Train:   0%|          | 1/30 [00:05<02:33,  5.45s/it]"
+    log.write_text(
+        f"{bar}\r{bar} {{'loss': '1.921', 'grad_norm': '32.75', 'learning_rate': '4e-08', "
+        "'epoch': '0.0002', 'global_step/max_steps': '1/30', 'elapsed_time': '6s'}\n"
+        f"{bar}\r{{'loss': 2.714, 'grad_norm': 69, 'learning_rate': 8e-08, "
+        "'global_step/max_steps': '2/30'}\n"
+        "{'eval_loss': '1.5', 'eval_runtime': '3.1', 'global_step/max_steps': '2/30'}\n"
+    )
+    data = read_log(log)
+    assert data.format == "hf_stdout" and list(data.steps) == [1, 2]
+    assert list(data.loss) == pytest.approx([1.921, 2.714])
+    assert list(data.extra["grad_norm"]) == pytest.approx([32.75, 69])
+    assert list(data.extra["lr"]) == pytest.approx([4e-8, 8e-8])
+    assert list(data.evals["loss"]) == [1.5]
+
+
+def test_the_benchmark_finds_a_nan_and_counts_an_alarm_off_the_labels_as_false(tmp_path):
+    """The NaN of the nanoGPT log is found; the same log labelled clean counts its alarm as a
+    false one, and a clean log with an alarm fails the clean-log target of its half."""
+    name = "nanogpt-shakespeare-char-nan.log"
+    label = rl.load_labels()[name]
+    found = rl.judge(FOLDER / name, label)
+    assert found.verdict == "found" and found.found == [(425, 450)] and not found.false_alarms
+    clean = rl.judge(FOLDER / name, {**label, "healthy": True, "instabilities": []})
+    assert clean.verdict == "FALSE ALARM" and clean.false_alarms
+    score = rl.summary([clean])
+    assert score["clean logs alarmed"] == 1 and not score["clean alarmed share ok"]
+    missing = rl.judge(tmp_path / "absent.log", label)
+    assert missing.verdict == "unread" and missing.missed == [(425, 450)]
