@@ -12,6 +12,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from trainguard.analysis.logs import LogData
+from trainguard.analysis.side_columns import side_column_nans
 from trainguard.config import DivergenceConfig, GuardConfig
 from trainguard.detectors import DetectorSuite
 from trainguard.detectors.level_shift import level_shifts
@@ -99,9 +100,13 @@ def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
     the points the log has (`scaled_config`); quiet stretches are taken in bulk
     (`DetectorSuite.run`), with the same events as step by step. Each stretch of NaN/Inf loss
     is one critical `nonfinite` event, on the final timeline and on the steps a rollback
-    abandoned; the events a guarded run recorded (`data.recorded`) come along, and a detector's
-    event at the step and of the kind of a recorded one is left out as the same incident."""
+    abandoned; a persistent step up of the loss level is a `level_shift` (`level_shifts`, with a
+    lower bar at a restart the log shows), and a NaN grad norm beside a finite loss a `nonfinite`
+    warning (`side_column_nans`); the events a guarded run recorded (`data.recorded`) come
+    along, and a detector's event at the step and of the kind of a recorded one is left out as
+    the same incident."""
     given = config or GuardConfig()
+    grad = data.extra.get("grad_norm")
     cfg = scaled_config(given, data.steps, data.loss)
     suite = DetectorSuite(cfg)
     full = data.series()
@@ -112,13 +117,13 @@ def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
     if _is_sparse(given.divergence, data.steps):
         found += sparse_rises(data.steps, data.loss, cfg.divergence, data.extra.get("lr"))
     found += level_shifts(data.steps, data.loss, data.extra.get("lr"), _restarts(data.abandoned))
+    found += side_column_nans(data.steps, data.loss, grad, data.extra.get("loss_scale"))
     recorded = [_event(r) for r in data.recorded or []]
     seen = {(e.step, e.kind) for e in recorded}
     events = sorted(
         recorded + [e for e in found if (e.step, e.kind) not in seen], key=lambda e: e.step
     )
     finite = data.loss[np.isfinite(data.loss)]
-    grad = data.extra.get("grad_norm")
     summary: dict[str, Any] = {
         "steps": len(data.steps),
         "first_step": int(data.steps[0]),

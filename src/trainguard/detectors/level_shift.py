@@ -49,8 +49,8 @@ def level_shifts(
     step where the new level begins: the median of the points after it over the median of the
     points before by `LEVEL_Z` noise SDs of such a median (`RESTART_Z` at a restart in
     `restarts`) and by `MIN_REL_SHIFT` of the level, each third of the points after it with its
-    median over the midpoint; the windows span a tenth of the log (3 to 64 points). A step where the LR
-    jumped (a warm restart) is passed over. Critical where the level multiplied by `MULTIPLIED`
+    median over the midpoint; the windows span a tenth of the log (3 to 64 points). A step within a
+    window of an LR jump (a warm restart) is passed over. Critical where the level multiplied by `MULTIPLIED`
     or the loss froze after it, else a warning. A restart that resumes lower or level raises
     nothing."""
     ok = np.isfinite(loss)
@@ -70,7 +70,8 @@ def level_shifts(
     events = []
     for s in shifts:
         first = _first_point(v, s, block, w)
-        near = restart_points[np.abs(restart_points - first) <= block + 1]
+        # a restart the log shows within half a window of the step is where it began
+        near = restart_points[np.abs(restart_points - first) <= (w // 2 + 1) * block]
         at_restart = bool(len(near))
         if at_restart:  # the step is the restart's: the new level begins there
             first = int(near[np.argmin(np.abs(near - first))])
@@ -120,7 +121,7 @@ def _find(u: np.ndarray, w: int, restart_points: np.ndarray, jumped: np.ndarray)
         candidate = (rel >= MIN_REL_SHIFT) & (np.abs(before) > 0)
     restart = np.zeros(m + 1, dtype=bool)
     restart[np.clip(restart_points, 0, m)] = True
-    near_jump = np.convolve(jumped, np.ones(3), mode="same") > 0  # the point or a neighbour
+    jumps_before = np.concatenate(([0], np.cumsum(jumped)))  # LR jumps before each point
     shifts: list[_Shift] = []
     free_from = 0  # a later step must have its whole window before it past the last one
     hits = np.flatnonzero(candidate)
@@ -136,11 +137,14 @@ def _find(u: np.ndarray, w: int, restart_points: np.ndarray, jumped: np.ndarray)
             continue
         # a restart inside the cluster is where its step is judged first (a known cause)
         tried = [int(c) for c in cluster if restart[onsets[c]]]
-        tried.append(int(cluster[np.argmax(after[cluster] - before[cluster])]))
+        # then the largest steps first: a median moves before the step does, where the window
+        # after it holds half the new level, and such an onset does not hold
+        by_size = cluster[np.argsort(before[cluster] - after[cluster], kind="stable")]
+        tried += [int(c) for c in by_size[: 2 * w + 2]]
         for c in tried:
             i = int(onsets[c])
-            if near_jump[i]:
-                continue
+            if jumps_before[min(i + w, m)] > jumps_before[max(i - w, 0)]:
+                continue  # the LR jumped within a window of the step: a warm restart's lift
             shift = _judged(u, i, w, float(before[c]), float(after[c]), bool(restart[i]))
             if shift is not None:
                 shifts.append(shift)
@@ -214,12 +218,13 @@ def _event(
     still_up = not len(back)
     last = first + held - 1
     step, last_step = int(steps[idx[first]]), int(steps[idx[last]])
-    frozen = _frozen(rest[: max(held, 1)])
+    # a log printed coarsely repeats values by itself: frozen only where the points before did not
+    frozen = _frozen(rest[:held]) if _frozen(v[max(first - 4 * span, 0) : first]) is None else None
     multiplied = s.after >= MULTIPLIED * s.before > 0
     shift = s.after - s.before
     where = "at a restart the log shows, " if restart else ""
     stay = (
-        f"still up at the end of the log ({held} points, steps {step}..{last_step})"
+        f"up to the end of the log ({held} points, steps {step}..{last_step})"
         if still_up
         else f"for {held} points (steps {step}..{last_step}) before it came back"
     )
