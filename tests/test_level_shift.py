@@ -14,7 +14,9 @@ from trainguard.analysis import LogData, analyze, read_log
 from trainguard.detectors.level_shift import level_shifts
 
 
-def incidents(steps: np.ndarray, loss: np.ndarray, **extra: np.ndarray) -> list[tuple[int, str, str]]:
+def incidents(
+    steps: np.ndarray, loss: np.ndarray, **extra: np.ndarray
+) -> list[tuple[int, str, str]]:
     data = LogData(np.asarray(steps, dtype=np.int64), np.asarray(loss, dtype=np.float64), extra)
     return [(e.step, e.kind, e.severity) for e in analyze(data).incidents]
 
@@ -25,7 +27,9 @@ def preempted_log(path: Path, jumps: list[float], noise: float, seed: int = 0) -
     rng = np.random.default_rng(seed)
     rows: list[str] = []
     offset, step = 0.0, 0
-    for k, end in enumerate([1000 * (i + 1) for i in range(len(jumps))] + [1000 * (len(jumps) + 1)]):
+    for k, end in enumerate(
+        [1000 * (i + 1) for i in range(len(jumps))] + [1000 * (len(jumps) + 1)]
+    ):
         while step < end:
             loss = 2.5 + 3 / np.sqrt(1 + step / 100) + offset + noise * rng.standard_normal()
             rows.append(f"{step},{loss:.5f}\n")
@@ -176,3 +180,11 @@ def test_a_grad_norm_column_with_gaps_or_an_fp16_scaler_raises_no_side_nan(tmp_p
     calibrating = grad.copy()
     calibrating[40] = np.nan  # the scaler met an overflow and halved the scale
     assert incidents(steps, loss, grad_norm=calibrating, loss_scale=scale) == []
+
+
+def test_a_real_eight_point_lora_log_whose_loss_multiplies_and_stays_is_critical():
+    # mlx-examples issue 620 (tests/data/level_shift/SOURCES.md): 1.41 -> 6.44, then 4.6-5.5
+    path = Path(__file__).parent / "data" / "level_shift" / "mlx-lora-issue620-loss-rise.csv"
+    [event] = analyze(read_log(path)).incidents
+    assert (event.step, event.kind, event.severity) == (100, "level_shift", "critical")
+    assert event.metrics["ratio"] > 3 and event.metrics["still_up"]

@@ -8,12 +8,11 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from trainguard.detectors.base import fmt
 from trainguard.detectors.series import rolling_median
 from trainguard.detectors.stats import MAD_TO_SIGMA, WARM_RESTART
-from trainguard.events import Event
+from trainguard.events import Event, Severity
 
 LEVEL_Z = 8.0  # the new level clears the old by this many noise SDs of a window's median
 RESTART_Z = 5.0  # ... at a restart the log shows (the steps went back, or a gap): a known cause
@@ -49,10 +48,10 @@ def level_shifts(
     step where the new level begins: the median of the points after it over the median of the
     points before by `LEVEL_Z` noise SDs of such a median (`RESTART_Z` at a restart in
     `restarts`) and by `MIN_REL_SHIFT` of the level, each third of the points after it with its
-    median over the midpoint; the windows span a tenth of the log (3 to 64 points). A step within a
-    window of an LR jump (a warm restart) is passed over. Critical where the level multiplied by `MULTIPLIED`
-    or the loss froze after it, else a warning. A restart that resumes lower or level raises
-    nothing."""
+    median over the midpoint; the windows span a tenth of the log (3 to 64 points). A step
+    within a window of an LR jump (a warm restart) is passed over. Critical where the level
+    multiplied by `MULTIPLIED` or the loss froze after it, else a warning. A restart that
+    resumes lower or level raises nothing."""
     ok = np.isfinite(loss)
     idx = np.flatnonzero(ok)
     v = np.asarray(loss[ok], dtype=np.float64)
@@ -75,7 +74,7 @@ def level_shifts(
         at_restart = bool(len(near))
         if at_restart:  # the step is the restart's: the new level begins there
             first = int(near[np.argmin(np.abs(near - first))])
-        events.append(_event(steps, v, idx, first, s, w * block, at_restart))
+        events.append(_event(steps, v, u, block, idx, first, s, w * block, at_restart))
     return events
 
 
@@ -113,8 +112,8 @@ def _find(u: np.ndarray, w: int, restart_points: np.ndarray, jumped: np.ndarray)
     """The level shifts of the (reduced) series `u` with windows of `w` points: candidates
     where the cheap tests pass, then each cluster's largest step judged against the noise."""
     m = len(u)
-    before = np.median(sliding_window_view(u, w), axis=1)[: m - 2 * w + 1]  # ends at i - 1
-    after = np.median(sliding_window_view(u, w), axis=1)[w:]  # starts at i
+    medians = rolling_median(u, w)  # of the w points from each point on
+    before, after = medians[: m - 2 * w + 1], medians[w:]  # ending at i - 1, starting at i
     onsets = np.arange(w, m - w + 1)
     with np.errstate(invalid="ignore"):
         rel = (after - before) / np.abs(before)
@@ -202,6 +201,8 @@ def _first_point(v: np.ndarray, s: _Shift, block: int, w: int) -> int:
 def _event(
     steps: np.ndarray,
     v: np.ndarray,
+    u: np.ndarray,
+    block: int,
     idx: np.ndarray,
     first: int,
     s: _Shift,
@@ -210,11 +211,13 @@ def _event(
 ) -> Event:
     """The `level_shift` event of one shift, with how long the loss stayed up."""
     mid = 0.5 * (s.before + s.after)
-    # it lasts until the median of the half window from a point falls back under the midpoint
+    # it lasts until the median of half a window from a (reduced) point falls back under the
+    # midpoint of the step
     rest = v[first:]
-    r = min(max(span // 2, MIN_POINTS), len(rest))
-    back = np.flatnonzero(rolling_median(rest, r) <= mid)
-    held = int(back[0]) + 1 if len(back) else len(rest)
+    after = u[min(first // block, len(u) - 1) :]
+    r = min(max(span // block // 2, MIN_POINTS), len(after))
+    back = np.flatnonzero(rolling_median(after, r) <= mid)
+    held = min(int(back[0]) * block + 1, len(rest)) if len(back) else len(rest)
     still_up = not len(back)
     last = first + held - 1
     step, last_step = int(steps[idx[first]]), int(steps[idx[last]])
@@ -257,19 +260,20 @@ def _event(
         "window_points": span,
         "loss": float(v[first]),
     }
-    severity = "critical" if multiplied or frozen else "warning"
+    severity: Severity = "critical" if multiplied or frozen else "warning"
     return Event(step, "level_shift", severity, message, metrics)
 
 
 def _frozen(values: np.ndarray) -> tuple[int, int] | None:
-    """Where the loss holds one exact value on `FROZEN_POINTS` points in a row (the first of
-    them, and how many), or None."""
+    """Where the loss first holds one exact value on `FROZEN_POINTS` points in a row (the first
+    of them, and how many), or None."""
     if len(values) < FROZEN_POINTS:
         return None
-    same = np.concatenate(([False], values[1:] == values[:-1]))
-    run = 0
-    for j, s in enumerate(same.tolist()):
-        run = run + 1 if s else 0
-        if run + 1 >= FROZEN_POINTS:
-            return j - run, run + 1
-    return None
+    same = np.concatenate(([0], (values[1:] == values[:-1]).astype(np.int8), [0]))
+    edges = np.diff(same)
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    long = np.flatnonzero(ends - starts + 1 >= FROZEN_POINTS)
+    if not len(long):
+        return None
+    k = int(long[0])
+    return int(starts[k]), int(ends[k] - starts[k] + 1)
