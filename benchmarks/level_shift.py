@@ -181,8 +181,9 @@ def main() -> None:
     lines += [
         "",
         f"`level_shift` on detection.py's generated curves ({args.curves} curves x 3 seeds, "
-        f"{steps:,} steps; not split: its rule was not tuned on them): {inside} events within "
-        f"planted incidents, {outside} outside ({outside / steps * 1e4:.3f} per 10k steps). "
+        f"{steps:,} steps; seeds 0-2, looked at while the onset's placement was set: not a "
+        f"held-out figure): {inside} events within planted incidents, {outside} outside "
+        f"({outside / steps * 1e4:.3f} per 10k steps). "
         "detection.py's own figures count `loss_spike` and `nonfinite` only and are unchanged.",
     ]
     print("\n".join(lines[-4:]))
