@@ -26,6 +26,7 @@ MOST_POINTS = 4096  # a longer log is judged on the medians of blocks of its poi
 FROZEN_POINTS = 3  # equal losses in a row after a step: the loss froze (a dead run)
 REFINE_POINTS = 8  # the onset is placed where the mean of this many points after it most
 # exceeds the mean of as many before (in reduced points)
+SPREAD_POINTS = 6  # points before a step from which their spread about a line is read too
 GAP_SPACINGS = 5.0  # a step gap this many median spacings wide is a restart
 
 
@@ -173,13 +174,23 @@ def _judged(
 
 
 def _noise(values: np.ndarray) -> float:
-    """The noise of one point: from the first differences less their median (robust to the
-    loss's fall and to a few outliers), as a standard deviation."""
+    """The noise of one point, as a standard deviation: the larger of the estimate from the
+    first differences less their median (robust to the loss's fall and to a few outliers) and
+    the spread about a fitted line (which noise that carries over from point to point, as a
+    data order's does, keeps and the differences lose)."""
     if len(values) < 3:
         return 0.0
     diffs = np.diff(values)
     centre = float(np.median(diffs))
-    return MAD_TO_SIGMA * float(np.median(np.abs(diffs - centre))) / math.sqrt(2.0)
+    from_diffs = MAD_TO_SIGMA * float(np.median(np.abs(diffs - centre))) / math.sqrt(2.0)
+    n = len(values)
+    if n < SPREAD_POINTS:
+        return from_diffs
+    t = np.arange(n, dtype=np.float64)
+    slope, intercept = np.polyfit(t, values, 1)
+    residuals = values - (slope * t + intercept)
+    spread = MAD_TO_SIGMA * float(np.median(np.abs(residuals - np.median(residuals))))
+    return max(from_diffs, spread * math.sqrt(n / (n - 2)))
 
 
 def _first_point(v: np.ndarray, s: _Shift, block: int, w: int) -> int:
