@@ -150,7 +150,9 @@ def main() -> None:
         "report": range(TUNE_SEEDS, args.seeds),
     }
     lines = [
-        "Generated logs; seeds 0-29 of each setting are the tuning half, 30-59 the report half. "
+        "Generated logs; seeds 0-29 of each setting are the tuning half, 30-59 the report half "
+        "(run once before the last change, the noise read from the spread about a line too, "
+        "which was made on other generated logs). "
         "A planted shape is found when an incident lands on its step (the climb: within 3 points "
         "of its start); a healthy log is alarmed when it has any incident.",
         "",
