@@ -188,3 +188,29 @@ def test_a_real_eight_point_lora_log_whose_loss_multiplies_and_stays_is_critical
     [event] = analyze(read_log(path)).incidents
     assert (event.step, event.kind, event.severity) == (100, "level_shift", "critical")
     assert event.metrics["ratio"] > 3 and event.metrics["still_up"]
+
+
+MEGATRON = Path(__file__).parent / "data" / "native_logs" / "megatron"
+
+
+def megatron_rows() -> list[str]:
+    text = (MEGATRON / "megatron_lm_resume_from_14000_srun_prefixed.log").read_text()
+    return [ln for ln in text.splitlines() if "iteration " in ln and "lm loss" in ln]
+
+
+def test_a_megatron_skipped_iteration_at_a_constant_loss_scale_is_reported(tmp_path):
+    rows = megatron_rows()
+    rows[10] = rows[10].replace("skipped iterations:   0", "skipped iterations:   1")
+    log = tmp_path / "megatron.log"
+    log.write_text("\n".join(rows) + "\n")
+    found = [e for e in analyze(read_log(log)).incidents if e.kind == "nonfinite"]
+    assert [(e.step, e.severity) for e in found] == [(14011, "warning")]
+
+
+def test_a_megatron_skipped_iteration_where_the_loss_scale_falls_is_calibration(tmp_path):
+    rows = megatron_rows()
+    rows[10] = rows[10].replace("skipped iterations:   0", "skipped iterations:   1")
+    rows[11:] = [r.replace("loss scale: 1.0 |", "loss scale: 0.5 |") for r in rows[11:]]
+    log = tmp_path / "megatron.log"
+    log.write_text("\n".join(rows) + "\n")
+    assert analyze(read_log(log)).incidents == []

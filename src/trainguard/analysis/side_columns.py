@@ -1,5 +1,6 @@
 """A NaN that only a side column of a log shows: the grad norm (a step's, or an average over the
-logging interval) NaN while the loss stayed finite."""
+logging interval) NaN while the loss stayed finite, or a skipped iteration a reader turned into
+one (Megatron's `number of skipped iterations`)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def side_column_nans(
         count = b - a + 1
         message = (
             f"the gradient norm is NaN on {count} logged point(s) (steps {first}..{last}) while "
-            "the loss stayed finite: a step's gradients were not finite, and the log's grad-norm "
-            "column (a step's norm, or an average over the logging interval) alone shows it"
+            "the loss stayed finite and the loss scale did not fall: a step's gradients were not "
+            "finite (a NaN norm, an average over the logging interval that a NaN poisoned, or an "
+            "iteration the trainer skipped), and only the log's grad-norm column shows it"
         )
         metrics = {
             "first_step": first,
