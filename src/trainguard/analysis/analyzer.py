@@ -15,7 +15,7 @@ from trainguard.analysis.logs import LogData
 from trainguard.analysis.side_columns import side_column_nans
 from trainguard.config import DivergenceConfig, GuardConfig
 from trainguard.detectors import DetectorSuite
-from trainguard.detectors.level_shift import level_shifts
+from trainguard.detectors.level_shift import level_shifts, restarts_of
 from trainguard.detectors.nonfinite import inferred_overflow
 from trainguard.detectors.series import MetricSeries
 from trainguard.detectors.stats import WARM_RESTART, noise_and_drift
@@ -106,7 +106,6 @@ def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
     along, and a detector's event at the step and of the kind of a recorded one is left out as
     the same incident."""
     given = config or GuardConfig()
-    grad = data.extra.get("grad_norm")
     cfg = scaled_config(given, data.steps, data.loss)
     suite = DetectorSuite(cfg)
     full = data.series()
@@ -116,14 +115,18 @@ def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
     found += _abandoned_nonfinite(data.abandoned)
     if _is_sparse(given.divergence, data.steps):
         found += sparse_rises(data.steps, data.loss, cfg.divergence, data.extra.get("lr"))
-    found += level_shifts(data.steps, data.loss, data.extra.get("lr"), _restarts(data.abandoned))
-    found += side_column_nans(data.steps, data.loss, grad, data.extra.get("loss_scale"))
+    restarts = restarts_of(data.abandoned.get("step"))
+    found += level_shifts(data.steps, data.loss, data.extra.get("lr"), restarts)
+    found += side_column_nans(
+        data.steps, data.loss, data.extra.get("grad_norm"), data.extra.get("loss_scale")
+    )
     recorded = [_event(r) for r in data.recorded or []]
     seen = {(e.step, e.kind) for e in recorded}
     events = sorted(
         recorded + [e for e in found if (e.step, e.kind) not in seen], key=lambda e: e.step
     )
     finite = data.loss[np.isfinite(data.loss)]
+    grad = data.extra.get("grad_norm")
     summary: dict[str, Any] = {
         "steps": len(data.steps),
         "first_step": int(data.steps[0]),
@@ -367,20 +370,6 @@ def _stretch_message(event: Event) -> str:
     first = event.message.split(" (on ", 1)[0]
     m = event.metrics
     return f"{first} (on {m['steps']} logged steps in a row, {m['first_step']}..{m['last_step']})"
-
-
-def _restarts(abandoned: dict[str, np.ndarray]) -> np.ndarray:
-    """The steps where the log restarted (a resume, a rollback's replay): the first step of
-    each run of rows that a later row of the same step replaced, in file order (a run ends where
-    the steps go back or skip more than twice their usual spacing)."""
-    steps = abandoned.get("step")
-    if steps is None or not len(steps):
-        return np.empty(0, dtype=np.int64)
-    gaps = np.diff(steps)
-    spacing = float(np.median(gaps[gaps > 0])) if (gaps > 0).any() else 1.0
-    starts = np.concatenate(([True], (gaps <= 0) | (gaps > 2 * spacing)))
-    out: np.ndarray = steps[starts]
-    return out
 
 
 def _abandoned_nonfinite(abandoned: dict[str, np.ndarray]) -> list[Event]:

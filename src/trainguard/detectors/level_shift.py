@@ -79,6 +79,20 @@ def level_shifts(
     return events
 
 
+def restarts_of(abandoned: np.ndarray | None) -> np.ndarray:
+    """The steps where a log restarted (a resume, a rollback's replay) from the steps of the
+    rows a later row of the same step replaced, in file order (`LogData.abandoned`): the first
+    step of each run of them (a run ends where the steps go back or skip more than twice their
+    usual spacing)."""
+    if abandoned is None or not len(abandoned):
+        return np.empty(0, dtype=np.int64)
+    gaps = np.diff(abandoned)
+    spacing = float(np.median(gaps[gaps > 0])) if (gaps > 0).any() else 1.0
+    starts = np.concatenate(([True], (gaps <= 0) | (gaps > 2 * spacing)))
+    out: np.ndarray = abandoned[starts]
+    return out
+
+
 def _restart_points(steps: np.ndarray, restarts: np.ndarray | None) -> np.ndarray:
     """The points (indices into the finite losses) where the log shows a restart: the first
     point at or after each step of `restarts`, and the first point after a gap of
