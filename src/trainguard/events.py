@@ -33,6 +33,7 @@ class EventKind(str, Enum):
     STALL = "stall"
     DIVERGENCE = "divergence"
     OSCILLATION = "oscillation"
+    LEVEL_SHIFT = "level_shift"
     HEALTH = "health"
     RANK_OUTLIER = "rank_outlier"
     STRAGGLER = "straggler"

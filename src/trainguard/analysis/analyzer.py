@@ -12,8 +12,10 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from trainguard.analysis.logs import LogData
+from trainguard.analysis.side_columns import side_column_nans
 from trainguard.config import DivergenceConfig, GuardConfig
 from trainguard.detectors import DetectorSuite
+from trainguard.detectors.level_shift import level_shifts, restarts_of
 from trainguard.detectors.nonfinite import inferred_overflow
 from trainguard.detectors.series import MetricSeries
 from trainguard.detectors.stats import WARM_RESTART, noise_and_drift
@@ -98,8 +100,11 @@ def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
     the points the log has (`scaled_config`); quiet stretches are taken in bulk
     (`DetectorSuite.run`), with the same events as step by step. Each stretch of NaN/Inf loss
     is one critical `nonfinite` event, on the final timeline and on the steps a rollback
-    abandoned; the events a guarded run recorded (`data.recorded`) come along, and a detector's
-    event at the step and of the kind of a recorded one is left out as the same incident."""
+    abandoned; a persistent step up of the loss level is a `level_shift` (`level_shifts`, with a
+    lower bar at a restart the log shows), and a NaN grad norm beside a finite loss a `nonfinite`
+    warning (`side_column_nans`); the events a guarded run recorded (`data.recorded`) come
+    along, and a detector's event at the step and of the kind of a recorded one is left out as
+    the same incident."""
     given = config or GuardConfig()
     cfg = scaled_config(given, data.steps, data.loss)
     suite = DetectorSuite(cfg)
@@ -110,6 +115,11 @@ def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
     found += _abandoned_nonfinite(data.abandoned)
     if _is_sparse(given.divergence, data.steps):
         found += sparse_rises(data.steps, data.loss, cfg.divergence, data.extra.get("lr"))
+    restarts = restarts_of(data.abandoned.get("step"))
+    found += level_shifts(data.steps, data.loss, data.extra.get("lr"), restarts)
+    found += side_column_nans(
+        data.steps, data.loss, data.extra.get("grad_norm"), data.extra.get("loss_scale")
+    )
     recorded = [_event(r) for r in data.recorded or []]
     seen = {(e.step, e.kind) for e in recorded}
     events = sorted(

@@ -24,7 +24,10 @@ STEP_NAMES = ("step", "global_step", "iteration", "iter", "_step", "Step", "trai
 LOSS_NAMES = ("loss", "train_loss", "train/loss", "training_loss", "train_loss_step", "lm_loss")
 HEADER_CELL = re.compile(r"^[\w .,/\-\[\]()%#@+]+$")  # a column name, not a printed dict
 OPTIONAL_NAMES = {
-    "grad_norm": ("grad_norm", "train/grad_norm", "gradient_norm", "grad-norm", "norm"),
+    "grad_norm": (  # the last four: a grad norm averaged over the logging interval
+        *("grad_norm", "train/grad_norm", "gradient_norm", "grad-norm", "norm"),
+        *("grad_norm_avg", "avg_grad_norm", "grad_norm_mean", "mean_grad_norm"),
+    ),
     "lr": ("lr", "learning_rate", "train/learning_rate", "train/lr", "lr-AdamW", "lr-Adam"),
     "loss_scale": ("loss_scale", "train/loss_scale", "scale"),
     "token_accuracy": TOKEN_ACCURACY_NAMES,

@@ -1,7 +1,8 @@
 """Megatron-LM's stdout (and Megatron-DeepSpeed's): `iteration N/ M | ... | learning rate: X |
 ... | lm loss: X | loss scale: X | grad norm: X | ... | number of nan iterations: K |`, and
 `validation loss at iteration N | lm loss value: X`. The loss is the mean over the logging
-interval of the finite iterations: an interval that counted NaN iterations is read as NaN."""
+interval of the finite iterations: an interval that counted NaN iterations is read as NaN, and
+one that counted skipped iterations (non-finite gradients) has no grad norm."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ def _adjust(row: Row, line: str) -> Row | None:
     nans = values.get("number of nan iterations", "0")
     if nans.isdigit() and int(nans) > 0:
         row["loss"] = "nan"
+    skipped = values.get("number of skipped iterations", "0")
+    if skipped.isdigit() and int(skipped) > 0:
+        row.pop("grad_norm", None)  # a step skipped for non-finite gradients: a NaN grad norm,
+        # reported where the loss scale did not fall (`side_columns`; a scaler's calibration)
     return row
 
 
