@@ -18,10 +18,10 @@ A second family (`--family llama`, issue 37): a Llama decoder (Hugging Face's Ll
 RoPE, RMSNorm, SwiGLU; 2 layers, 2 heads, d=64) on the same text as UTF-8 bytes (vocabulary 256)
 and as bytes plus the most frequent byte pairs (vocabulary 1024), a warmup-stable-decay
 schedule, 6 learning rates x 2 seeds x 800 steps (the issue's sweep was 8 x 2 x 1000 steps on a
-larger machine: shortened to run on 2 shared CPU cores in about 15 minutes). Seed 0 tunes,
-seed 1 is reported; the warnings are judged again from each run's cached figures (`--replay`
-re-scores the cache with the current detector, no training), and false warnings are counted on
-every run whose loss never spikes.
+larger machine: shortened to run on 2 shared CPU cores, about 40 minutes with --jobs 2). Seed
+0 tunes, seed 1 is reported; the warnings are judged again from each run's cached figures by
+the detector as it stands (a rerun only re-scores; `--replay` does the same for the first
+family's cached watched runs), and warnings are counted on every run whose loss never spikes.
 
 Run: nice python benchmarks/early_warning.py [--steps 1500] [--warmup 0.4] [--every 50]
      nice python benchmarks/early_warning.py --family llama --jobs 2
