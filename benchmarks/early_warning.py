@@ -14,7 +14,17 @@ preemptive setting is chosen on the tuning seed only and reported on the others.
 Each run's raw figures are cached in a JSON file (`--cache`), so a rerun only re-scores. About
 25 minutes on a loaded 2-core machine (one thread, runs one after another).
 
+A second family (`--family llama`, issue 37): a Llama decoder (Hugging Face's LlamaForCausalLM:
+RoPE, RMSNorm, SwiGLU; 2 layers, 2 heads, d=64) on the same text as UTF-8 bytes (vocabulary 256)
+and as bytes plus the most frequent byte pairs (vocabulary 1024), a warmup-stable-decay
+schedule, 6 learning rates x 2 seeds x 800 steps (the issue's sweep was 8 x 2 x 1000 steps on a
+larger machine: shortened to run on 2 shared CPU cores, about 40 minutes with --jobs 2). Seed
+0 tunes, seed 1 is reported; the warnings are judged again from each run's cached figures by
+the detector as it stands (a rerun only re-scores; `--replay` does the same for the first
+family's cached watched runs), and warnings are counted on every run whose loss never spikes.
+
 Run: nice python benchmarks/early_warning.py [--steps 1500] [--warmup 0.4] [--every 50]
+     nice python benchmarks/early_warning.py --family llama --jobs 2
 """
 
 from __future__ import annotations
@@ -62,8 +72,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 ORACLE = "oracle"  # no guard: the seed's best stable LR schedule from the first warning's step on
 COLLAPSED = 0.1  # nats: a layer's attention entropy under this at the end is collapsed (one-hot)
 # runs of earlier code differ: v1 cuts did not hold and rescaled once a warning; v2 warned of a
-# signal past critical only after the trend window
-CACHE_VERSION = 3
+# signal past critical only after the trend window; v3 kept no grad norms nor severities
+CACHE_VERSION = 4
 LOSS_KINDS = ("loss_spike", "divergence", "grad_explosion", "grad_spike", "oscillation", "stall")
 
 
@@ -121,6 +131,7 @@ def train(
         precursors={"every": every, **({"preempt": preempt} if preempt else {})},
     )
     losses: list[float] = []
+    grads: list[float | None] = []
     events: list[dict[str, Any]] = []
     samples: list[list[Any]] = []  # [step, precursors] of each sampled step
     started = time.perf_counter()
@@ -132,14 +143,18 @@ def train(
             decision = guard.step(loss)
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
+            grads.append(decision.metrics.get("grad_norm"))
             if "precursors" in decision.metrics:
                 samples.append([decision.step, decision.metrics["precursors"]])
             for e in decision.events:
                 metrics = {k: v for k, v in e.metrics.items() if isinstance(v, (int, float, str))}
-                events.append({"step": e.step, "kind": e.kind, "metrics": metrics})
+                events.append(
+                    {"step": e.step, "kind": e.kind, "severity": e.severity, "metrics": metrics}
+                )
     seconds = time.perf_counter() - started
     return {
         "losses": losses,
+        "grad_norms": grads,
         "events": events,
         "samples": samples,
         "seconds": seconds,
@@ -268,18 +283,33 @@ def job(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--family", choices=("gpt", "llama"), default="gpt")
+    parser.add_argument("--steps", type=int, default=None, help="1500 (gpt), 800 (llama)")
     parser.add_argument(
         "--warmup", type=float, default=WARMUP_SHARE, help="share of the steps warming up"
     )
     parser.add_argument(
         "--every", type=int, default=EVERY, help="steps between the probe's sampled steps"
     )
-    parser.add_argument("--cache", type=Path, default=Path("benchmarks/.early_warning.json"))
+    parser.add_argument("--cache", type=Path, default=None, help="the runs' figures (JSON)")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument(
+        "--replay",
+        action="store_true",
+        help="gpt: judge the cached watched runs again with the detector as it stands (issue 37;"
+        " the seeds trained so far, no preemptive reruns, no training)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (one thread each)")
     args = parser.parse_args()
     _one_thread()
+    if args.family == "llama":
+        llama_main(args)
+        return
+    args.steps = args.steps or 1500
+    args.cache = args.cache or Path("benchmarks/.early_warning.json")
+    if args.replay:
+        gpt_replay(args)
+        return
     cache: dict[str, Any] = json.loads(args.cache.read_text()) if args.cache.exists() else {}
 
     def key(arm: str, lr: float, seed: int) -> str:
@@ -375,6 +405,64 @@ def main() -> None:
             body,
             f"nice python benchmarks/early_warning.py --steps {args.steps} "
             f"--warmup {args.warmup:g} --every {args.every}",
+        )
+
+
+def gpt_replay(args: argparse.Namespace) -> None:
+    """The first family's cached watched runs judged again by the detector as it stands, as the
+    second family's are (`early_warning_llama.report`): seed 0 tunes, seeds 1 and 2 report."""
+    import early_warning_llama as family
+
+    cache: dict[str, Any] = json.loads(args.cache.read_text()) if args.cache.exists() else {}
+    vocab = TextCorpus.load().vocab_size
+    runs = {
+        (vocab, lr, s): cache[k]
+        for s in TUNE_SEEDS + REPORT_SEEDS
+        for lr in LRS
+        if (k := f"v{CACHE_VERSION}|base|{lr:.6g}|{s}|{args.steps}") in cache
+    }
+    splits = tuple(
+        (name, tuple(s for s in seeds if any(k[2] == s for k in runs)))
+        for name, seeds in (("tune", TUNE_SEEDS), ("report", REPORT_SEEDS))
+    )
+    splits = tuple(x for x in splits if x[1])
+    table, _ = family.report(runs, args.steps, args.every, splits, lead_target=100)
+    body = (
+        f"The first family's watched runs ({args.steps} steps, the probe every {args.every}; "
+        f"seeds {', '.join(str(s) for _, seeds in splits for s in seeds)} trained with the "
+        "code before issue 37), judged again by the detector as it stands; outcomes and "
+        "columns as for the second family below.\n\n" + table
+    )
+    print(body)
+    if not args.no_write:
+        write_section(
+            "early-warning-gpt-replay",
+            "Early warning: the first family judged again (issue 37)",
+            body,
+            f"nice python benchmarks/early_warning.py --replay --steps {args.steps} "
+            f"--every {args.every}",
+        )
+
+
+def llama_main(args: argparse.Namespace) -> None:
+    """The second family (`early_warning_llama.py`): its sweep, scored and written."""
+    import early_warning_llama as family
+
+    steps = args.steps or family.STEPS
+    every = args.every
+    path = args.cache or Path("benchmarks/.early_warning_llama.json")
+    cache: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    runs = family.ensure(cache, path, steps, every, args.jobs)
+    table, _ = family.report(runs, steps, every)
+    body = family.setup(steps, every) + "\n\n" + table
+    print(body)
+    if not args.no_write:
+        write_section(
+            "early-warning-llama",
+            "Early warning: a second model family, Llama on bytes (issue 37)",
+            body,
+            f"nice python benchmarks/early_warning.py --family llama --steps {steps} "
+            f"--every {every} --jobs 2",
         )
 
 

@@ -237,6 +237,7 @@ def test_guard_samples_every_n_steps_and_hooks_nothing_between(tmp_path: Path) -
         "attn_entropy",
         "block_rms",
         "log_z",
+        "vocab_size",  # sent beside log Z: the logits' last dimension
         "adam_eps_ratio",
     }
     assert "adam_eps_ratio" not in lines[0]["precursors"]  # no optimizer state before step 0
@@ -321,7 +322,8 @@ def test_a_model_without_attention_is_measured_where_it_can_and_said_once(
         d = guard.step(loss)
         opt.zero_grad()
     guard.close()
-    assert set(d.metrics["precursors"]) == {"block_rms", "log_z", "adam_eps_ratio"}
+    assert set(d.metrics["precursors"]) == {"block_rms", "log_z", "vocab_size", "adam_eps_ratio"}
+    assert d.metrics["precursors"]["vocab_size"] == {"output": 40.0}  # log Z's reference, ln 40
     notes = [
         e
         for e in read_jsonl(tmp_path / "events.jsonl")

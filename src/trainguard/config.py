@@ -361,6 +361,9 @@ class ReplicasConfig(_Section):
 
 PRECURSOR_SIGNALS = ("max_logit", "attn_entropy", "block_rms", "adam_eps_ratio", "log_z")
 FALLING_PRECURSORS = frozenset({"attn_entropy", "adam_eps_ratio"})  # critical from above
+# the logits' last dimension at the output head, sent beside log Z (judged by no rule of its
+# own): log Z is judged by its distance from ln(vocabulary)
+VOCAB_SIZE = "vocab_size"
 
 
 class PrecursorWarningConfig(_Section):
@@ -377,7 +380,8 @@ class PrecursorWarningConfig(_Section):
             "log_z": 30.0,
         },
         description="Each signal's critical level: attention collapses or the run diverges near"
-        " it; attn_entropy and adam_eps_ratio fall towards theirs, log_z counts by its size.",
+        " it; attn_entropy and adam_eps_ratio fall towards theirs, log_z counts by its distance"
+        " from ln(vocabulary).",
     )
     margin: float = Field(
         4.0, gt=1, description="A signal within this factor of its critical level may warn."

@@ -569,9 +569,7 @@ class Guard(Monitor):
             events += self._publish(self.recovery.cut_lr(decision))
             if self.preemptive is not None:  # on a precursor warning, where the policy chose
                 taken = self.preemptive.apply(decision)
-                self._weights_rewritten = any(
-                    e.metrics.get("action") == "rescale_qk" for e in taken
-                )
+                self._weights_rewritten = self.preemptive.rewrote_weights
                 events += self._publish(taken)
             with self._at_step_start(launched):  # where the next step began, on the lagged path
                 self._publish(self.recovery.maybe_snapshot(self.global_step))  # about the run

@@ -347,16 +347,37 @@ def _upper_quantile(hist: np.ndarray, total: float, beyond: float) -> float:
     return float((b + 1 - share) * EXCESS_BIN)
 
 
+LEVEL_NORMS = 32  # grad norms before a growth whose median is the level it grew from
+LEVEL_KNOWN = 8  # the level and its noise are read once this many norms precede the growth
+RISE_NOISE = 5.0  # the growth must pass this many robust deviations of the log norms
+
+
+def rise_over_level(prior: list[float], last: float, factor: float) -> bool:
+    """Whether `last` rose from the grad norms before the growth (`prior`) for real: `factor` x
+    over their median, and more than `RISE_NOISE` robust deviations of their logs over it (with
+    norms near 0.001 that swing several-fold step to step, a run of rises from a dip is noise).
+    True where fewer than `LEVEL_KNOWN` norms precede it (nothing to read yet)."""
+    kept = [v for v in prior if v > 0 and math.isfinite(v)]
+    if len(kept) < LEVEL_KNOWN:
+        return True
+    logs = np.log(np.asarray(kept, dtype=np.float64))
+    centre = float(np.median(logs))
+    spread = MAD_TO_SIGMA * float(np.median(np.abs(logs - centre)))
+    rise = math.log(last) - centre if last > 0 else -math.inf
+    return rise >= math.log(factor) and rise >= RISE_NOISE * spread
+
+
 class GradExplosionDetector(Detector):
     """A gradient norm that rose on each of `growth_steps` consecutive steps by `growth_factor` in
-    all, or that passed `abs_limit`; one event until the growth breaks."""
+    all, from its start and from the level of the norms before it (over their noise:
+    `rise_over_level`), or that passed `abs_limit`; one event until the growth breaks."""
 
     name = "grad_explosion"
     _state = ("history", "active", "groups")
 
     def __init__(self, config: GradExplosionConfig | None = None) -> None:
         self.config = config or GradExplosionConfig()
-        self.history: deque[float] = deque(maxlen=self.config.growth_steps + 1)
+        self.history: deque[float] = deque(maxlen=self.config.growth_steps + 1 + LEVEL_NORMS)
         self.active = False
         self.groups = GroupHistory()
 
@@ -367,17 +388,21 @@ class GradExplosionDetector(Detector):
         self.groups.update(point)
         cfg = self.config
         n = cfg.growth_steps + 1
-        row = [*list(self.history)[-(n - 1) :], g] if n > 1 else [g]
+        held = list(self.history)
+        row = [*held[-(n - 1) :], g] if n > 1 else [g]
         growing = len(row) == n and bool(
             self._grows(all(b - a > 0 for a, b in itertools.pairwise(row)), row[0], row[-1])
         )
+        if growing:  # rare: the level before the growth read only then
+            prior = held[: len(held) - (n - 1)][-LEVEL_NORMS:]
+            growing = rise_over_level(prior, g, cfg.growth_factor)
         over = bool(self._over_abs(g))
         was_active = self.active
         self.history.append(float(g))
         self.active = growing or over
         if not (growing or over) or was_active:
             return []
-        h = list(self.history)
+        h = list(self.history)[-n:]  # the growth (or the latest norms)
         if growing:
             message = (
                 f"gradient norm grew {fmt(h[-1] / h[0])}x over {cfg.growth_steps} consecutive "
@@ -412,7 +437,7 @@ class GradExplosionDetector(Detector):
         `growth_steps` rises by `growth_factor` in all, and whether it passes `abs_limit`."""
         cfg = self.config
         n = cfg.growth_steps + 1
-        kept = list(self.history)[-(n - 1) :] if n > 1 else []  # the rows that end at g need these
+        kept = list(self.history)  # the rows that end at g, and the norms before them
         held = len(kept)
         v = np.concatenate((np.asarray(kept, dtype=np.float64), g))
         growing = np.zeros(len(g), dtype=bool)
@@ -422,6 +447,9 @@ class GradExplosionDetector(Detector):
             ok = self._grows(rising, rows[:, 0], rows[:, -1])
             ends = np.arange(n - 1, len(v)) - held  # the new value each row ends at
             keep = ends >= 0
+            for r in np.flatnonzero(ok & keep):  # rare: the level before each growth
+                prior = v[max(0, r - LEVEL_NORMS) : r].tolist()
+                ok[r] = rise_over_level(prior, float(v[r + n - 1]), self.config.growth_factor)
             growing[ends[keep]] = ok[keep]
         return growing, self._over_abs(g)
 

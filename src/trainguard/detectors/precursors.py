@@ -1,23 +1,34 @@
 """The `precursor` early warning: a layer's precursor of divergence (max attention logit,
 attention entropy, block output RMS, Adam's update-to-epsilon ratio, output log Z) near its
-critical level and heading there fast, read on the sampled steps before the loss moves."""
+critical level and heading there fast, read on the sampled steps before the loss moves. Log Z is
+judged by its distance from ln(vocabulary); an attention collapse (max logit, entropy, block
+RMS) warns where it has an effect (the loss or grad norm responds, or it runs on far past
+critical), and is `info` where the run learns on regardless."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from trainguard.config import FALLING_PRECURSORS, PrecursorWarningConfig
+from trainguard.config import FALLING_PRECURSORS, VOCAB_SIZE, PrecursorWarningConfig
 from trainguard.detectors.base import Detector, MetricPoint, fmt
 from trainguard.detectors.stats import MAD_TO_SIGMA
-from trainguard.events import Event, EventKind
+from trainguard.events import Event, EventKind, Severity
 
 if TYPE_CHECKING:
     from trainguard.detectors.series import MetricSeries
 
 SLOWING = 0.5  # a trend whose newer half rises at under this share of its older half's slows
+# the signals of an attention collapse, weighed by its effect: a model may learn on with one
+# head's attention on one token (a warning where the loss or grad norm responds, else info)
+WEIGHED = frozenset({"max_logit", "attn_entropy", "block_rms"})
+LOSS_RESPONSE = 0.1  # the loss's recent median this share over its lowest: it responded
+LOSS_NOISE = 3.0  # ... and over this many noises of that median
+GRAD_RESPONSE = 3.0  # the grad norms' recent median this x over their lowest: they responded
+FAR_PAST = 10.0  # a rising signal this x past its critical level runs on: warned, effect or not
+MEDIAN_NOISE = 1.2533  # the noise of a median of n samples: this x sigma / sqrt(n)
 
 
 class PrecursorWarningDetector(Detector):
@@ -29,7 +40,18 @@ class PrecursorWarningDetector(Detector):
     the rules)."""
 
     name = EventKind.PRECURSOR.value
-    _state = ("samples", "streaks", "warned", "quiet", "passed")
+    _state = (
+        "samples",
+        "streaks",
+        "warned",
+        "quiet",
+        "passed",
+        "given",
+        "baselines",
+        "losses",
+        "grads",
+        "lowest",
+    )
 
     def __init__(self, config: PrecursorWarningConfig | None = None) -> None:
         self.config = config or PrecursorWarningConfig()
@@ -40,10 +62,18 @@ class PrecursorWarningDetector(Detector):
         self.quiet: dict[str, int] = {}  # samples in a row since, that met no rule
         # past its critical level since it was last outside `margin` of it (warned of once)
         self.passed: dict[str, bool] = {}
+        self.given: dict[str, str] = {}  # the severity given in the episode going on
+        self.baselines: dict[str, float] = {}  # log Z's: ln(vocabulary), else its first sample
+        # the sampled steps' losses and grad norms, the latest `window` each, and the lowest
+        # median of `window` of them so far ("loss", "grad_norm"): the effect of a collapse
+        self.losses: list[float] = []
+        self.grads: list[float] = []
+        self.lowest: dict[str, float] = {}
 
     def update(self, point: MetricPoint) -> list[Event]:
         if not point.precursors:
             return []
+        self._follow_effect(point)
         events: list[Event] = []
         for signal, layers in point.precursors.items():
             critical = self.config.critical.get(signal)
@@ -54,6 +84,50 @@ class PrecursorWarningDetector(Detector):
                 if event is not None:
                     events.append(event)
         return events
+
+    def _follow_effect(self, point: MetricPoint) -> None:
+        """Keep the sampled step's loss and grad norm, and the lowest median of each."""
+        window = self.config.window
+        for name, kept, value in (
+            ("loss", self.losses, point.loss),
+            ("grad_norm", self.grads, point.grad_norm),
+        ):
+            if value is None or not math.isfinite(value):
+                continue
+            kept.append(float(value))
+            del kept[:-window]
+            if len(kept) == window:
+                level = float(np.median(kept))
+                self.lowest[name] = min(self.lowest.get(name, math.inf), level)
+
+    def _effect(self) -> dict[str, float]:
+        """How far the loss's and the grad norms' recent medians lie over their lowest (a share
+        of it; NaN where unknown), and the rise in the loss that counts as its response."""
+        out = {"loss_over_lowest": math.nan, "grad_over_lowest": math.nan, "loss_response": 0.0}
+        window = self.config.window
+        if len(self.losses) == window and self.lowest.get("loss", 0) > 0:
+            level, lowest = float(np.median(self.losses)), self.lowest["loss"]
+            spread = MAD_TO_SIGMA * float(np.median(np.abs(np.array(self.losses) - level)))
+            noise = MEDIAN_NOISE * spread / math.sqrt(window)
+            out["loss_over_lowest"] = level / lowest - 1
+            out["loss_response"] = max(LOSS_RESPONSE, LOSS_NOISE * noise / lowest)
+        if len(self.grads) == window and self.lowest.get("grad_norm", 0) > 0:
+            out["grad_over_lowest"] = float(np.median(self.grads)) / self.lowest["grad_norm"]
+        return out
+
+    def _severity(self, signal: str, value: float, critical: float) -> Severity:
+        """A collapse signal's warning where it has an effect: the loss or the grad norms
+        respond, or a rising signal runs on far past critical; `info` where the run learns on."""
+        if signal not in WEIGHED:
+            return "warning"
+        effect = self._effect()
+        if effect["loss_over_lowest"] > effect["loss_response"]:
+            return "warning"
+        if effect["grad_over_lowest"] >= GRAD_RESPONSE:
+            return "warning"
+        if signal not in FALLING_PRECURSORS and value >= FAR_PAST * critical:
+            return "warning"
+        return "info"
 
     def advance(self, series: MetricSeries, start: int) -> int:
         """Steps without a precursor sample change nothing: they are taken in bulk."""
@@ -66,25 +140,35 @@ class PrecursorWarningDetector(Detector):
                 return i
         return end
 
+    def _baseline(self, point: MetricPoint, key: str, value: float) -> float:
+        """Log Z's reference: ln(vocabulary) where the probe sent the vocabulary, else the run's
+        first log Z sample (near ln(vocabulary) while the logits are small, at the start)."""
+        vocab = ((point.precursors or {}).get(VOCAB_SIZE) or {}).get("output")
+        if vocab is not None and math.isfinite(vocab) and vocab > 1:
+            self.baselines[key] = math.log(vocab)
+        return self.baselines.setdefault(key, value)
+
     def _judge(
         self, point: MetricPoint, signal: str, layer: str, value: float, critical: float
     ) -> Event | None:
         key = f"{signal}/{layer}"
         if not math.isfinite(value):  # the non-finite detectors speak for this step
             return None
+        base = self._baseline(point, key, value) if signal == "log_z" else 0.0
         held = [s for s in self.samples.get(key, []) if s[0] < point.step]  # a rollback undid
-        held.append([float(point.step), _towards(signal, value)])
+        held.append([float(point.step), _towards(signal, value, base)])
         cfg = self.config
         self.samples[key] = held = held[-cfg.window :]
         target = _towards(signal, critical)
-        now = _towards(signal, value)
+        now = _towards(signal, value, base)
         past = now >= target
-        if not _near(now, target, cfg.margin):
+        near = _near(now, target, cfg.margin)
+        if not near:
             self.passed[key] = False  # far from critical again (a preemptive rescale): re-armed
         if past and self.warned.get(key, False) and not self.passed.get(key, False):
             # warned of earlier in this episode and now past critical (again): said once more
             self.passed[key] = True
-            return self._warning(point, signal, layer, value, critical, 0, 0.0, len(held))
+            return self._given(point, signal, layer, value, critical, base, 0, 0.0, len(held))
         trend = self._trend(held, target)
         if trend is None and self._arrived_past(held, target):
             # no trend to read yet (or a jump): the level says it, its `confirm` samples counted
@@ -95,15 +179,59 @@ class PrecursorWarningDetector(Detector):
             self.quiet[key] = self.quiet.get(key, 0) + 1
             if self.quiet[key] >= cfg.window:
                 self.warned[key] = False
-            return None
+            return self._upgrade(point, signal, layer, value, critical, near, len(held))
         self.quiet[key] = 0
         self.streaks[key] = self.streaks.get(key, 0) + 1
         if self.streaks[key] < cfg.confirm or self.warned.get(key, False):
-            return None
+            return self._upgrade(point, signal, layer, value, critical, near, len(held))
         self.warned[key] = True
         self.passed[key] = past
         slope, steps_left = trend
-        return self._warning(point, signal, layer, value, critical, steps_left, slope, len(held))
+        return self._given(
+            point, signal, layer, value, critical, base, steps_left, slope, len(held)
+        )
+
+    def _given(
+        self,
+        point: MetricPoint,
+        signal: str,
+        layer: str,
+        value: float,
+        critical: float,
+        base: float,
+        steps_left: int,
+        slope: float,
+        samples: int,
+    ) -> Event:
+        """The episode's event, weighed by its effect; the severity kept for `_upgrade`."""
+        severity = self._severity(signal, value, critical)
+        self.given[f"{signal}/{layer}"] = severity
+        return self._warning(
+            point, signal, layer, value, critical, base, steps_left, slope, samples, severity
+        )
+
+    def _upgrade(
+        self,
+        point: MetricPoint,
+        signal: str,
+        layer: str,
+        value: float,
+        critical: float,
+        near: bool,
+        samples: int,
+    ) -> Event | None:
+        """The warning of an episode noted as `info` whose effect shows now (the loss or grad
+        norm responds) while the signal is still near critical; once an episode."""
+        key = f"{signal}/{layer}"
+        if not (near and self.warned.get(key, False) and self.given.get(key) == "info"):
+            return None
+        if self._severity(signal, value, critical) != "warning":
+            return None
+        self.given[key] = "warning"
+        steps_left = 0 if _towards(signal, value) >= _towards(signal, critical) else -1
+        return self._warning(
+            point, signal, layer, value, critical, 0.0, steps_left, 0.0, samples, "warning"
+        )
 
     def _warning(
         self,
@@ -112,36 +240,66 @@ class PrecursorWarningDetector(Detector):
         layer: str,
         value: float,
         critical: float,
+        base: float,
         steps_left: int,
         slope: float,
         samples: int,
+        severity: Severity,
     ) -> Event:
-        """The `precursor` warning of one layer's signal: heading for its critical level, with
-        the steps left at its trend, or already past it."""
+        """The `precursor` event of one layer's signal: heading for its critical level, with
+        the steps left at its trend (-1: not read), or already past it; log Z's critical level
+        is its distance from `base` (ln(vocabulary))."""
         falling = signal in FALLING_PRECURSORS
         heading = "falling" if falling else "rising"
-        past = _towards(signal, value) >= _towards(signal, critical)
+        past = _towards(signal, value, base) >= _towards(signal, critical)
+        level = critical
+        if signal == "log_z":
+            base = self.baselines.get(f"{signal}/{layer}", base)
+            sign = "+" if value >= base else "-"
+            level = base + critical if value >= base else base - critical
+            critical_text = f"{fmt(level)} (ln(vocabulary) {fmt(base)} {sign} {fmt(critical)})"
+        else:
+            critical_text = fmt(critical)
         where = (
-            f"is past its critical level {fmt(critical)}"
+            f"is past its critical level {critical_text}"
             if past
-            else f"is {heading} towards its critical level {fmt(critical)}: about {steps_left} "
-            f"steps left at its trend over the last {samples} samples"
+            else f"is {heading} towards its critical level {critical_text}"
+            + (
+                f": about {steps_left} steps left at its trend over the last {samples} samples"
+                if steps_left >= 0
+                else ""
+            )
         )
+        effect = self._effect()
+        metrics: dict[str, Any] = {
+            "layer": layer,
+            "signal": signal,
+            "value": value,
+            "critical": level,
+            "steps_left": 0 if past else steps_left,
+            "slope_per_step": -slope if falling else slope,
+            "samples": samples,
+            "loss_over_lowest": effect["loss_over_lowest"],
+            "grad_over_lowest": effect["grad_over_lowest"],
+        }
+        if signal == "log_z":
+            metrics["ln_vocabulary"] = base
+        if severity == "info":
+            advice = (
+                "the loss and grad norm have not responded and it runs on no further: noted, "
+                "no action (a warning follows where they respond)"
+            )
+        else:
+            advice = (
+                "act before the loss moves (lower the LR, QK-norm or max-logit clipping for "
+                "attention logits, z-loss for log Z; precursors.preempt.actions lets the guard "
+                "act)"
+            )
         return self.event(
             point,
-            "warning",
-            f"{signal} of {_named(layer)} at {fmt(value)} {where}; act before the loss moves "
-            "(lower the LR, QK-norm or max-logit clipping for attention logits, z-loss for log "
-            "Z; precursors.preempt.actions lets the guard act)",
-            {
-                "layer": layer,
-                "signal": signal,
-                "value": value,
-                "critical": critical,
-                "steps_left": 0 if past else steps_left,
-                "slope_per_step": -slope if falling else slope,
-                "samples": samples,
-            },
+            severity,
+            f"{signal} of {_named(layer)} at {fmt(value)} {where}; {advice}",
+            metrics,
         )
 
     def _arrived_past(self, held: list[list[float]], target: float) -> bool:
@@ -192,13 +350,13 @@ def _named(layer: str) -> str:
     return "the output" if layer == "output" else f"layer {layer}"
 
 
-def _towards(signal: str, value: float) -> float:
-    """The value on a scale that rises towards critical: negated for the falling signals, the
-    size of log Z."""
+def _towards(signal: str, value: float, base: float = 0.0) -> float:
+    """The value on a scale that rises towards critical: negated for the falling signals, log
+    Z's distance from `base` (ln(vocabulary)); a critical level is passed with `base` 0."""
     if signal in FALLING_PRECURSORS:
         return -value
     if signal == "log_z":
-        return abs(value)
+        return abs(value - base)
     return value
 
 

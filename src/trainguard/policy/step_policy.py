@@ -34,6 +34,12 @@ def clears_noise(event: Event) -> bool:
     return bool(z >= threshold)  # a NaN z clears nothing
 
 
+# the precursors an LR cut answers: attention logits, activations and log Z run away with a high
+# LR; Adam's eps ratio falling towards 1 (eps damping the updates) slows a run, and a cut would
+# damp it further
+LR_CUT_SIGNALS = frozenset({"max_logit", "attn_entropy", "block_rms", "log_z"})
+
+
 class StepPolicy:
     """The only place where events become an action (README: the rules, in order)."""
 
@@ -130,18 +136,23 @@ class StepPolicy:
 
     def _preempt(self, point: MetricPoint, events: list[Event]) -> list[PreemptCall]:
         """The preemptive actions `precursors.preempt.actions` allows on this step's precursor
-        warnings: each at most once a warning episode (a signal of a layer) and layer, one LR
-        cut a step at most."""
+        warnings (not on `info`: a collapse the run learns through foretells nothing): each at
+        most once a warning episode (a signal of a layer) and layer, one LR cut a step at most,
+        and an LR cut only on the signals of divergence (`LR_CUT_SIGNALS`)."""
         chosen = self.preempt.actions
         if not chosen:
             return []
         calls: list[PreemptCall] = []
         for e in events:
-            if e.kind != EventKind.PRECURSOR:
+            if e.kind != EventKind.PRECURSOR or e.severity != "warning":
                 continue
             signal, layer = str(e.metrics.get("signal")), str(e.metrics.get("layer"))
             value = float(e.metrics.get("value", math.nan))
-            if "lr_cut" in chosen and not any(c.action == "lr_cut" for c in calls):
+            if (
+                "lr_cut" in chosen
+                and signal in LR_CUT_SIGNALS
+                and not any(c.action == "lr_cut" for c in calls)
+            ):
                 calls += self._once(
                     PreemptCall("lr_cut", layer, signal, value, self.preempt.lr_factor, e.step)
                 )

@@ -3,8 +3,9 @@
 Every `precursors.every` steps, forward hooks sit on the step's first training forward only:
 per attention layer the max attention logit q.k*scale (causal mask) and the mean attention
 entropy, per block the output RMS, the output log-partition log Z (the mean logsumexp of the
-logits) and the token accuracy (argmax == label, where the forward got `labels=`); at the
-step's measurement, per layer group Adam's update-to-epsilon ratio sqrt(mean v_hat)/eps. The
+logits, sent with the vocabulary size) and the token accuracy (argmax == label, where the
+forward got `labels=`); at the step's measurement, per layer group Adam's update-to-epsilon
+ratio sqrt(mean v_hat)/eps. The
 figures stay on the device as one tensor and ride in the step's one host transfer; on every
 other step nothing is hooked and nothing is measured.
 """
@@ -22,7 +23,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from trainguard._torch_private import foreach_mul_, foreach_norm
-from trainguard.config import PrecursorsConfig
+from trainguard.config import VOCAB_SIZE, PrecursorsConfig
 from trainguard.distributed.context import RankContext
 from trainguard.signals.gradients import NOT_MEASURED
 from trainguard.signals.model_structure import (
@@ -64,8 +65,8 @@ class PrecursorProbe:
         self.names: list[tuple[str, str]] = [("max_logit", a.layer) for a in s.attention]
         self.names += [("attn_entropy", a.layer) for a in s.attention]
         self.names += [("block_rms", layer) for layer, _ in s.blocks]
-        if s.head is not None:
-            self.names.append(("log_z", "output"))
+        if s.head is not None:  # log Z, and the vocabulary it is judged against (ln V)
+            self.names += [("log_z", "output"), (VOCAB_SIZE, "output")]
         self._hook_count = len(self.names)
         self._adam = (
             AdamEpsRatio(optimizer, params, param_groups, group_names)
@@ -212,6 +213,9 @@ class PrecursorProbe:
             positions = self._query_positions(t, full.device)  # memory: (B, V) a position
             picked = full[:, positions].float()
             self._set("log_z", "output", torch.logsumexp(picked, dim=-1).mean())
+            self._set(
+                VOCAB_SIZE, "output", torch.full((), float(full.shape[-1]), device=full.device)
+            )
             labels = self._labels
             if labels is None or labels.shape != logits.shape[:2]:
                 return
