@@ -24,6 +24,7 @@ class EventKind(str, Enum):
     SPIKE_CLASSIFIED = "spike_classified"
     SPIKE_SAMPLES = "spike_samples"
     GRAD_SPIKE = "grad_spike"
+    GRAD_RESPONSE = "grad_response"
     NONFINITE = "nonfinite"
     NAN_ORIGIN = "nan_origin"
     FP16_OVERFLOW = "fp16_overflow"

@@ -112,6 +112,7 @@ def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
     full.overflow = inferred_overflow(full.loss, full.grad_norm)
     series, lengths = _first_of_each_nan_stretch(full)
     found = _windows_in_steps(_one_per_stretch(suite.run(series), series.steps, lengths), cfg, data)
+    found = graded_by_response(found)
     found += _abandoned_nonfinite(data.abandoned)
     if _is_sparse(given.divergence, data.steps):
         found += sparse_rises(data.steps, data.loss, cfg.divergence, data.extra.get("lr"))
@@ -155,6 +156,26 @@ def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
     result = Analysis(events, summary, recorded)
     summary["incidents"] = len(result.incidents)
     return result
+
+
+def graded_by_response(events: list[Event]) -> list[Event]:
+    """A log's whole story: a gradient incident the loss did not follow (its `grad_response`
+    says a benign outlier) is info, the grading's words added to it; a confirming grading stays
+    as the info event it is."""
+    benign = {
+        (e.metrics.get("spike_step"), e.metrics.get("spike_kind")): e
+        for e in events
+        if e.kind == "grad_response" and e.metrics.get("loss_responded") is False
+    }
+    out = []
+    for e in events:
+        grading = benign.get((e.step, e.kind))
+        if grading is not None:
+            e = dataclasses.replace(e, severity="info", message=f"{e.message}; {grading.message}")
+        elif e.kind == "grad_response" and e.metrics.get("loss_responded") is False:
+            continue  # told on its incident
+        out.append(e)
+    return out
 
 
 def scaled_config(config: GuardConfig, steps: np.ndarray, loss: np.ndarray) -> GuardConfig:

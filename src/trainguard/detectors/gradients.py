@@ -77,6 +77,105 @@ class GroupHistory(StateParts):
         return {"group": name, "since_step": int(step), "ratio": ratio}
 
 
+RESPONSE_POINTS = 6  # a gradient incident's own point and the next five: where the loss responds
+RESPONSE_CONTEXT = 32  # finite losses before it that give the loss's noise
+RESPONSE_LEVEL = 8  # the latest of them, whose median is the loss's level
+RESPONSE_MIN = 8  # with fewer losses before it, the incident is not graded (its warning stands)
+RESPONSE_Z = 4.0  # the incident's own loss this many noise deviations over the level responded;
+# a later one twice as far; or the median of the later ones RESPONSE_HOLD_Z over it (it stayed)
+RESPONSE_HOLD_Z = 2.0
+
+
+class LossResponse(StateParts):
+    """Whether the loss followed a gradient incident: the incident's own point and the next
+    RESPONSE_POINTS - 1 set against the level and step-to-step noise of the losses before it. An
+    outlier the loss did not follow, with the grad norm back, is graded info (`grad_response`);
+    one it followed is confirmed; the live action on the incident stays what it was."""
+
+    # The loss responds when the incident's own batch was over RESPONSE_Z noise deviations (one
+    # bad batch, loss and gradient alike), when a later loss was twice as far (one draw of a
+    # heavy-tailed per-batch loss reaches RESPONSE_Z, as a bf16 run's do), or when the later
+    # losses stayed up (their median RESPONSE_HOLD_Z over the level); a NaN/Inf loss responds.
+
+    def __init__(self) -> None:
+        self.losses: deque[float] = deque(maxlen=RESPONSE_CONTEXT)
+        self.watches: list[dict[str, Any]] = []
+
+    def keep(self, losses: np.ndarray) -> None:
+        """Add the losses of steps taken in bulk (no incident among them)."""
+        finite = losses[np.isfinite(losses)]
+        self.losses.extend(finite[-RESPONSE_CONTEXT:].tolist())
+
+    def open(self, step: int, kind: str) -> None:
+        """Watch the loss after an incident at `step` (not where too few losses came before)."""
+        if len(self.losses) < RESPONSE_MIN:
+            return
+        before = np.fromiter(self.losses, np.float64, len(self.losses))
+        steps = np.diff(before)
+        noise = MAD_TO_SIGMA * float(np.median(np.abs(steps - np.median(steps)))) / math.sqrt(2)
+        level = float(np.median(before[-RESPONSE_LEVEL:]))
+        self.watches.append(
+            {"step": step, "kind": kind, "level": level, "noise": noise, "later": [], "back": False}
+        )
+
+    def follow(self, detector: Detector, point: MetricPoint, grad_back: bool) -> list[Event]:
+        """Each watch's next point (`grad_back`: the grad norm is back under its limits there);
+        the grading of those that end, as info events; then the point's loss joins the level."""
+        events: list[Event] = []
+        loss = point.loss if math.isfinite(point.loss) else math.inf
+        for w in list(self.watches):
+            first = "own" not in w
+            level, noise = w["level"], w["noise"]
+            if first:
+                w["own"] = loss
+                responded = loss > level + RESPONSE_Z * noise
+            else:
+                w["later"].append(loss)
+                w["back"] = w["back"] or grad_back
+                responded = loss > level + 2 * RESPONSE_Z * noise
+            if not responded and 1 + len(w["later"]) < RESPONSE_POINTS:
+                continue
+            if not responded:
+                held = float(np.median(w["later"]))
+                responded = held > level + RESPONSE_HOLD_Z * noise or not w["back"]
+            self.watches.remove(w)
+            events.append(self._graded(detector, point, w, responded))
+        if math.isfinite(point.loss):
+            self.losses.append(float(point.loss))
+        return events
+
+    @staticmethod
+    def _graded(
+        detector: Detector, point: MetricPoint, w: dict[str, Any], responded: bool
+    ) -> Event:
+        what = "gradient spike" if w["kind"] == "grad_spike" else "gradient norm's rise"
+        seen = 1 + len(w["later"])
+        peak = max([w["own"], *w["later"]])
+        figures = (
+            f"at most {fmt(peak)} over {seen} point(s), its level {fmt(w['level'])}, "
+            f"noise {fmt(w['noise'])}"
+        )
+        if not responded:
+            message = (
+                f"the {what} at step {w['step']} was a benign outlier: the loss did not respond "
+                f"({figures}) and the grad norm came back"
+            )
+        elif w["back"] or seen < RESPONSE_POINTS:
+            message = f"the {what} at step {w['step']} is confirmed: the loss responded ({figures})"
+        else:
+            message = f"the {what} at step {w['step']} stands: the grad norm did not come back"
+        metrics = {
+            "spike_step": w["step"],
+            "spike_kind": w["kind"],
+            "loss_responded": responded,
+            "loss_peak": peak,
+            "loss_level": w["level"],
+            "loss_noise": w["noise"],
+            "points": seen,
+        }
+        return detector.event(point, "info", message, metrics, kind="grad_response")
+
+
 EXCESS_BIN = 0.02  # width of the bins of a grad norm's excess over its level (g / level - 1)
 EXCESS_BINS = 1000  # up to 20x the level; further in the top bin
 TAIL_SAMPLES = 200  # excesses counted before the grad norm's own tail is first read
@@ -102,7 +201,7 @@ class GradSpikeDetector(Detector):
 
     name = "grad_spike"
     gate_figure = "grad_norm"
-    _state = ("window", "run", "groups", "excess_hist", "excess_total", "reach")
+    _state = ("window", "run", "groups", "excess_hist", "excess_total", "reach", "response")
 
     def __init__(self, config: GradSpikeConfig | None = None) -> None:
         self.config = config or GradSpikeConfig()
@@ -112,8 +211,16 @@ class GradSpikeDetector(Detector):
         self.excess_hist = np.zeros(EXCESS_BINS)
         self.excess_total = 0.0
         self.reach = 0.0  # the excess the run's own outliers reach; 0 until it is read
+        self.response = LossResponse()
 
     def update(self, point: MetricPoint) -> list[Event]:
+        events = self._judge_point(point)
+        if events:
+            self.response.open(point.step, self.name)
+        return events + self.response.follow(self, point, not self.run.active)
+
+    def _judge_point(self, point: MetricPoint) -> list[Event]:
+        """The spike rule on one step: its event, if it starts one."""
         g = _finite_grad(point)
         if g is None:
             return []
@@ -175,6 +282,14 @@ class GradSpikeDetector(Detector):
         return min(bounds)
 
     def advance(self, series: MetricSeries, start: int) -> int:
+        if self.response.watches:
+            return start  # the loss after a spike is followed step by step
+        end = self._advance_grads(series, start)
+        self.response.keep(series.loss[start:end])
+        return end
+
+    def _advance_grads(self, series: MetricSeries, start: int) -> int:
+        """`advance` of the spike rule: up to the next step that may raise a spike."""
         chunk = _grad_chunk(series, start)
         if isinstance(chunk, int):
             return chunk
@@ -373,15 +488,23 @@ class GradExplosionDetector(Detector):
     `rise_over_level`), or that passed `abs_limit`; one event until the growth breaks."""
 
     name = "grad_explosion"
-    _state = ("history", "active", "groups")
+    _state = ("history", "active", "groups", "response")
 
     def __init__(self, config: GradExplosionConfig | None = None) -> None:
         self.config = config or GradExplosionConfig()
         self.history: deque[float] = deque(maxlen=self.config.growth_steps + 1 + LEVEL_NORMS)
         self.active = False
         self.groups = GroupHistory()
+        self.response = LossResponse()
 
     def update(self, point: MetricPoint) -> list[Event]:
+        events = self._judge_point(point)
+        if events:
+            self.response.open(point.step, self.name)
+        return events + self.response.follow(self, point, not self.active)
+
+    def _judge_point(self, point: MetricPoint) -> list[Event]:
+        """The growth rule on one step: its event, if it starts one."""
         g = _finite_grad(point)
         if g is None:
             return []
@@ -420,6 +543,14 @@ class GradExplosionDetector(Detector):
         return [self.event(point, severity, message, metrics)]
 
     def advance(self, series: MetricSeries, start: int) -> int:
+        if self.response.watches:
+            return start  # the loss after a rise is followed step by step
+        end = self._advance_grads(series, start)
+        self.response.keep(series.loss[start:end])
+        return end
+
+    def _advance_grads(self, series: MetricSeries, start: int) -> int:
+        """`advance` of the growth rule: up to the next step that may raise an event."""
         chunk = _grad_chunk(series, start)
         if isinstance(chunk, int):
             return chunk
@@ -472,13 +603,31 @@ class GradExplosionDetector(Detector):
             self.active = bool(fires[-1])
 
 
+STILL_LOSSES = 5  # losses at each end of a stretch of zero gradient whose medians are compared
+STILL_FALL = 0.01  # a loss that fell less than this share over that stretch has not learned
+
+
 class VanishingGradientDetector(Detector):
     """A layer group whose gradient norm stayed below `ratio` x its early level (the median of its
     first `reference_steps` norms), or under `abs_floor`, for `patience` steps; names the groups.
-    Where the loss vanished with them (a model that fits its data), it is only info."""
+    Where the loss vanished with them (a model that fits its data), it is only info. The global
+    norm under `abs_floor` for `patience` steps while the loss did not fall is a run that does
+    not learn (critical); with a falling loss the logged norm is not the gradient's (info)."""
 
     name = "vanishing_gradients"
-    _state = ("early", "reference", "below", "reported", "early_losses", "loss_reference", "loss")
+    _state = (
+        "early",
+        "reference",
+        "below",
+        "reported",
+        "early_losses",
+        "loss_reference",
+        "loss",
+        "still",
+        "still_first",
+        "still_last",
+        "still_reported",
+    )
 
     def __init__(self, config: VanishingConfig | None = None) -> None:
         self.config = config or VanishingConfig()
@@ -489,12 +638,61 @@ class VanishingGradientDetector(Detector):
         self.early_losses: list[float] = []  # the first losses, whose median is the loss's level
         self.loss_reference: float | None = None
         self.loss: float | None = None  # the latest finite loss
+        self.still = 0  # consecutive steps whose global grad norm is under `abs_floor`
+        self.still_first: list[float] = []  # the first losses of that stretch
+        self.still_last: deque[float] = deque(maxlen=STILL_LOSSES)  # and its latest
+        self.still_reported = False
 
     def update(self, point: MetricPoint) -> list[Event]:
         self._follow_loss([point.loss] if math.isfinite(point.loss) else [])
         groups = point.group_grad_norms
-        if not groups or not point.grads_finite:
+        if not groups:  # the groups' rule names the groups where they are measured
+            g = _finite_grad(point)
+            return [] if g is None else self._follow_global(point, g)
+        if not point.grads_finite:
             return []
+        return self._judge_groups(point, groups)
+
+    def _follow_global(self, point: MetricPoint, g: float) -> list[Event]:
+        """The global grad norm's stretch under `abs_floor` (where no layer groups are measured):
+        an event once it lasts `patience` steps, critical where the loss did not fall over it."""
+        cfg = self.config
+        if g >= cfg.abs_floor:
+            self.still, self.still_reported = 0, False
+            self.still_first.clear()
+            self.still_last.clear()
+            return []
+        self.still += 1
+        if math.isfinite(point.loss):
+            if len(self.still_first) < STILL_LOSSES:
+                self.still_first.append(float(point.loss))
+            self.still_last.append(float(point.loss))
+        if self.still < cfg.patience or self.still_reported or not self.still_first:
+            return []
+        self.still_reported = True
+        first, last = median(self.still_first), median(list(self.still_last))
+        fell = (first - last) / abs(first) if first else 0.0
+        metrics = {"grad_norm": g, "steps": self.still, "loss_first": first, "loss_last": last}
+        said = f"the global gradient norm has been {fmt(g)} for {self.still} steps"
+        ref = self.loss_reference if self.loss_reference is not None else first
+        if abs(last) <= cfg.ratio * abs(ref):
+            message = f"{said}; the loss vanished with it ({fmt(last)}): the model fits its data"
+            return [self.event(point, "info", message, metrics)]
+        if fell < STILL_FALL:
+            message = (
+                f"the run does not learn: {said} and the loss has not fallen ({fmt(first)} -> "
+                f"{fmt(last)}): nothing reaches the weights (a detached loss, frozen or "
+                "disconnected parameters)"
+            )
+            return [self.event(point, "critical", message, metrics)]
+        message = (
+            f"{said} while the loss fell {fell:.1%} ({fmt(first)} -> {fmt(last)}): the logged "
+            "norm is not the gradient's"
+        )
+        return [self.event(point, "info", message, metrics)]
+
+    def _judge_groups(self, point: MetricPoint, groups: dict[str, float]) -> list[Event]:
+        """The layer groups' rule on one step."""
         cfg = self.config
         newly: list[str] = []
         details: dict[str, Any] = {}
@@ -545,8 +743,13 @@ class VanishingGradientDetector(Detector):
                 self.early_losses = []
 
     def advance(self, series: MetricSeries, start: int) -> int:
-        if series.has_groups:
+        if series.has_groups or self.still:
             return start
-        losses = series.loss[start:]
+        end = len(series)
+        if series.grad_norm is not None:  # up to the next global norm under the floor
+            idx, g = series.finite_grads(start)
+            low = np.flatnonzero(g < self.config.abs_floor)
+            end = series.chunk_end(start) if not len(low) else int(idx[low[0]])
+        losses = series.loss[start:end]
         self._follow_loss(losses[np.isfinite(losses)])  # no groups: nothing can vanish
-        return len(series)
+        return end
