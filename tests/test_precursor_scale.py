@@ -29,6 +29,7 @@ def _explosions(grads: np.ndarray) -> list[int]:
         e.step
         for i, g in enumerate(grads)
         for e in detector.update(MetricPoint(step=i, loss=1.0, grad_norm=float(g)))
+        if e.kind == "grad_explosion"  # not its grading by the loss's response
     ]
     n = len(grads)
     series = MetricSeries(np.arange(n), np.ones(n), grads.astype(np.float64), None)
