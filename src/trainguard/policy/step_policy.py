@@ -389,8 +389,14 @@ class StepPolicy:
                         point,
                         events,
                         f"{e.kind} survived {self.recovery.architecture_rollbacks} rollbacks: "
-                        f"{e.message}; this looks like an architecture or initialisation fault "
-                        "(normalisation, residual scaling), not bad data or a bad step",
+                        f"{e.message}; "
+                        + (
+                            "the bad data goes on past the batches skipped: check the data "
+                            "source (a corrupt or degrading shard)"
+                            if e.metrics.get("lasting")
+                            else "this looks like an architecture or initialisation fault "
+                            "(normalisation, residual scaling), not bad data or a bad step"
+                        ),
                     )
                 decision = self._rollback(point, events, start, e.kind, True, has_target)
             if decision is not None:
