@@ -339,9 +339,13 @@ def _incidents(runs: dict[str, DemoRun], plan: Plan, data: list[Batch]) -> list[
 
 
 def _type_of(alarm: tg.Event, events: list[tg.Event]) -> str:
-    """The spike's type, and what the follow-up revised it to."""
+    """The spike's first type, and its final one as the report card names it (the last
+    follow-up of its step, over the replays of rollbacks)."""
+    from trainguard.sinks.html_report import final_types
+
     first = str(alarm.type).replace("_", " ")
-    later = str(alarm.revised_type(events)).replace("_", " ")
+    final = final_types([e.to_dict() for e in events]).get(alarm.step, alarm.type)
+    later = str(final).replace("_", " ")
     return first if later == first else f"{first}, revised to {later}"
 
 

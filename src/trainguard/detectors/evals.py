@@ -20,6 +20,11 @@ ADVICE = (
     "data mix (too much of one source); in a fine-tune stop early or keep the best checkpoint"
 )
 RECOVERED = 0.5  # an episode ends once the decline is under this share of the rule's bar
+# the values after an evaluation's descent into its best: at least this many are kept, and the
+# noise of fewer than FEW_SETTLED (too few for the spread about a quadratic) asks for FEW_REL
+MIN_SETTLED = 4
+FEW_SETTLED = 8
+FEW_REL = 0.03
 
 
 class EvalDeclineDetector(Detector):
@@ -31,8 +36,12 @@ class EvalDeclineDetector(Detector):
     before the two evaluations before the last two); once per episode and evaluation name. The
     noise is the larger of two robust estimates: from the second differences of the window
     (blind to trend and bends) and from the spread about a quadratic of the values before the
-    last two (which does not shrink when nearby evaluations err together). A non-finite
-    evaluation is its own warning.
+    last two (which does not shrink when nearby evaluations err together). The noise is also
+    taken over the values after the evaluation's descent into its best (the leading values each
+    worse than all after them up to the best: an untrained model's first evaluation, a fall that
+    outpaces the noise), where a log of 10-20 evaluations has nothing else; from fewer than 8
+    such values a decline must also reach 3% of the best. A decline over either bar counts. A
+    non-finite evaluation is its own warning.
 
     A declining evaluation while the training loss rises too is not forgetting: the run is
     diverging, which `divergence` and `loss_spike` report from the training loss; this detector
@@ -104,9 +113,18 @@ class EvalDeclineDetector(Detector):
         current, earlier = min(scores[-2:]), pairs[:-2]  # the pairs apart from the last two
         b = min(range(len(earlier)), key=earlier.__getitem__)
         best = earlier[b]
-        noise = max(curve_noise(scores), float(spread_sigmas(np.array([scores[:-2]]))[0]))
+        # the noise of the whole window, and of its values after the descent into the best (an
+        # untrained model's first evaluation, a fall that outpaces the noise), whose few values
+        # ask for a clear decline: a decline over either bar counts
         gap = current - best
-        bar = max(cfg.noise_sigmas * noise, cfg.min_rel_decline * abs(best))
+        bars = [(noise_of(scores), cfg.min_rel_decline)]
+        start = descent_end(scores, b + 1)
+        if start > 0:
+            few = n - start < FEW_SETTLED
+            least = max(cfg.min_rel_decline, FEW_REL) if few else cfg.min_rel_decline
+            bars.append((noise_of(scores[start:]), least))
+        noise, least = min(bars, key=lambda nl: max(cfg.noise_sigmas * nl[0], nl[1] * abs(best)))
+        bar = max(cfg.noise_sigmas * noise, least * abs(best))
         name = point.name
         if name in self.declining:
             if gap <= RECOVERED * bar:
@@ -115,9 +133,7 @@ class EvalDeclineDetector(Detector):
         train_best = (rows[b][2] + rows[b + 1][2]) / 2
         train_before = (rows[-4][2] + rows[-3][2]) / 2  # the two evaluations before the last two
         train_now = (rows[-2][2] + rows[-1][2]) / 2
-        declined = (
-            gap > cfg.noise_sigmas * noise and gap >= cfg.min_rel_decline * abs(best) and gap > 0
-        )
+        declined = gap > cfg.noise_sigmas * noise and gap >= least * abs(best) and gap > 0
         falls = train_now < train_best and train_now <= train_before  # NaN levels: no loss
         if not declined or not falls:
             return []
@@ -167,3 +183,23 @@ def curve_noise(values: list[float]) -> float:
     limit = 6.0 * MAD_TO_SIGMA * median([abs(d - centre) for d in second])
     clipped = [min(max(d - centre, -limit), limit) for d in second]
     return math.sqrt(sum(d * d for d in clipped) / len(clipped) / 6.0)
+
+
+def noise_of(scores: list[float]) -> float:
+    """The noise of an evaluation's values: the larger of its second differences' and its spread
+    about a quadratic before the last two."""
+    return max(curve_noise(scores), float(spread_sigmas(np.array([scores[:-2]]))[0]))
+
+
+def descent_end(scores: list[float], best_end: int) -> int:
+    """Where the evaluation's descent into its best ends: the leading values each worse than
+    every value after it up to `best_end` (the learning the evaluation saw, whose fall outpaces
+    its noise) are passed over, keeping `MIN_SETTLED` values at least."""
+    i = 0
+    while (
+        i < best_end
+        and len(scores) - i > MIN_SETTLED
+        and scores[i] > max(scores[i + 1 : best_end + 1])
+    ):
+        i += 1
+    return i

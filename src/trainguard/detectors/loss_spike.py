@@ -44,6 +44,12 @@ TREND_Z = 4.0  # Mann-Kendall z of the pre-spike losses that reads as a steady r
 TREND_SPAN = 96  # pre-spike steps whose trend is tested
 BUILD_UP = 16  # a rise confined to this many steps before the spike is an instability brewing
 SWING_JUMP = 2.0  # a lasting rise this many times a swing's height is a jump, not its top
+FLAT_DATA = (
+    " on new batches with no rise before it while the gradient norm stayed flat: a stretch of "
+    "bad data (a shard degrading into noise), not the weights"
+)
+FLAT_ROSE = " after rising before it while the gradient norm stayed flat"
+SHORT_SWING = 48  # latest steps a swing that grew late is looked for in, to type a spike
 SWING_EXPLAINS = 50.0  # a swing before a spike types it optimizer only up to this many times
 # its height: a loss 300x up (a x1000 write to the weights) is not the swing grown too far
 PERIOD_ACF = 0.35  # autocorrelation at the dominant period that reads as oscillation
@@ -295,6 +301,7 @@ class LossSpikeDetector(Detector):
             "back_steps": 0,
             "high_grad_steps": 0,
             "grad_rose": grad_rose,
+            "rose_before": rose_before(list(self.window)),
             "far_over": threshold * sigma,  # a jump still this far up is no noise
             "far_steps": 0,
         }
@@ -614,7 +621,8 @@ class LossSpikeDetector(Detector):
                 0.6,
                 f"the loss was rising steadily before it (trend z={trend:.1f})",
             )
-        swing = self._swing(recent)
+        # swings that grew late show over the latest steps alone
+        swing = self._swing(recent) or self._swing(recent[-SHORT_SWING:])
         if swing is not None and jump <= SWING_EXPLAINS * swing[2]:
             period, acf, _ = swing
             return (
@@ -634,12 +642,27 @@ class LossSpikeDetector(Detector):
             rising = all(b > a for a, b in itertools.pairwise(last)) and point.grad_norm > last[-1]
             if base > 0 and rising and last[-1] > GRAD_HIGH * base:
                 return "gradient_explosion", 0.6, "the gradient norm was growing into the spike"
-        if held > 1 and flat:
-            why = f"the loss has stayed high for {held} steps while the gradient norm stayed flat"
+        if held > 1 and flat and rose_before(recent):
+            why = (
+                f"the loss has stayed high for {held} steps after rising before it while the "
+                "gradient norm stayed flat"
+            )
             return "architecture", 0.5, why
+        if held > 1 and flat:  # new batches keep it up, the weights' gradients do not move
+            why = (
+                f"the loss has stayed high for {held} steps on new batches with no rise before "
+                "it while the gradient norm stayed flat, as a stretch of bad data gives"
+            )
+            return "data_toxicity", 0.5, why
         if held > 1:
             return "gradient_explosion", 0.6, f"the loss has stayed high for {held} steps"
         return "data_toxicity", 0.5, "a sudden jump with no build-up, as one bad batch gives"
+
+    @staticmethod
+    def _flat_type(w: dict[str, Any]) -> tuple[SpikeType, float]:
+        """A jump that stayed up while the grad norm stayed flat: architecture after a rise
+        before it, else a stretch of bad data."""
+        return ("architecture", 0.6) if w.get("rose_before") else ("data_toxicity", 0.6)
 
     @staticmethod
     def _swing(recent: list[float]) -> tuple[int, float, float] | None:
@@ -693,23 +716,26 @@ class LossSpikeDetector(Detector):
         confidence = float(w["confidence"])
         # the grad norm known and flat through the spike and its follow-up: not an explosion
         flat = w.get("grad_rose") is False and w["high_grad_steps"] == 0
+        lasting = False  # a lasting rise typed data: the policy rolls back as for a lasting one
         if back_at is not None and back_at <= 2 and back >= seen - 1 and w["high_grad_steps"] <= 1:
             new, confidence = "data_toxicity", 0.9
             why = f"the loss was back at its level {back_at} step(s) later"
         elif seen > 1 and w.get("gross_steps", 0) >= seen - 1 and old == "data_toxicity":
-            new, confidence = ("architecture", 0.6) if flat else ("gradient_explosion", 0.8)
+            new, confidence = self._flat_type(w) if flat else ("gradient_explosion", 0.8)
+            lasting = flat and new == "data_toxicity"
+            said = (FLAT_DATA if lasting else FLAT_ROSE) if flat else ""
             why = (
                 f"the loss stayed over {self.config.ratio_threshold:g}x its level for "
-                f"{w['gross_steps']} steps"
-                + (" while the gradient norm stayed flat" if flat else "")
+                f"{w['gross_steps']} steps{said}"
             )
         elif seen > 0 and back == 0:
             if old in ("architecture", "optimizer"):
                 confidence = max(confidence, 0.75)
                 why = f"the loss stayed high for {seen} steps after a build-up"
             elif flat:
-                new, confidence = "architecture", 0.6
-                why = f"the loss stayed high for {seen} steps while the gradient norm stayed flat"
+                new, confidence = self._flat_type(w)
+                lasting = new == "data_toxicity"
+                why = f"the loss stayed high for {seen} steps{FLAT_DATA if lasting else FLAT_ROSE}"
             else:
                 new, confidence = "gradient_explosion", 0.85
                 why = f"the loss stayed high for {seen} steps"
@@ -729,6 +755,7 @@ class LossSpikeDetector(Detector):
                 "recovered_after": back_at,
                 "steps_watched": seen,
                 "high_grad_steps": w["high_grad_steps"],
+                **({"lasting": True} if lasting else {}),
             },
             kind="spike_classified",
             type=new,
@@ -802,3 +829,10 @@ def _quantile(hist: np.ndarray, total: float, beyond: float) -> float:
     above = float(from_top[k - 1]) if k > 0 else 0.0
     share = (target - above) / float(hist[b]) if hist[b] > 0 else 0.0
     return float((b + 1 - share) * Z_BIN)
+
+
+def rose_before(recent: list[float]) -> bool:
+    """Whether the loss rose steadily before the latest `BUILD_UP` steps (over the
+    `TREND_SPAN` before the spike): an instability brewing for long, not a stretch of bad data
+    that starts at once."""
+    return mann_kendall_z(recent[-TREND_SPAN:-BUILD_UP]) > TREND_Z

@@ -223,11 +223,15 @@ class StepPolicy:
             if e.kind != EventKind.SPIKE_CLASSIFIED:
                 continue
             spike = int(e.metrics.get("spike_step", e.step))
-            if e.type == "data_toxicity" and spike in self.suspects:
+            if (
+                e.type == "data_toxicity"
+                and not e.metrics.get("lasting")
+                and spike in self.suspects
+            ):
                 self.suspects.remove(spike)
                 self.quarantined.append(spike)
                 decision.quarantine_step = spike
-            elif e.type != "data_toxicity" and (
+            elif (e.type != "data_toxicity" or e.metrics.get("lasting")) and (
                 spike in self.suspects or spike in self.quarantined
             ):
                 for held in (self.suspects, self.quarantined):
@@ -293,7 +297,10 @@ class StepPolicy:
                 reasons = ", ".join(sorted({e.kind for e in skipping}))
                 decision = self._decide(point, events, "skip", f"skipped for {reasons}")
                 decision.suspect = cfg.quarantine and any(
-                    e.kind == EventKind.LOSS_SPIKE and e.type == "data_toxicity" and clears_noise(e)
+                    e.kind == EventKind.LOSS_SPIKE
+                    and e.type == "data_toxicity"
+                    and clears_noise(e)
+                    and e.metrics.get("since_step", e.step) == e.step  # a one-off
                     for e in skipping
                 )
                 if decision.suspect:  # quarantined only when the spike's follow-up confirms
@@ -376,7 +383,8 @@ class StepPolicy:
                     sudden=sudden,
                 )
             elif e.kind == EventKind.DIVERGENCE or (
-                e.kind == EventKind.SPIKE_CLASSIFIED and e.type == "architecture"
+                e.kind == EventKind.SPIKE_CLASSIFIED
+                and (e.type == "architecture" or e.metrics.get("lasting"))
             ):
                 start = e.step - (
                     int(e.metrics.get("window", 0)) if e.kind == EventKind.DIVERGENCE else 0
@@ -392,8 +400,14 @@ class StepPolicy:
                         point,
                         events,
                         f"{e.kind} survived {self.recovery.architecture_rollbacks} rollbacks: "
-                        f"{e.message}; this looks like an architecture or initialisation fault "
-                        "(normalisation, residual scaling), not bad data or a bad step",
+                        f"{e.message}; "
+                        + (
+                            "the bad data goes on past the batches skipped: check the data "
+                            "source (a corrupt or degrading shard)"
+                            if e.metrics.get("lasting")
+                            else "this looks like an architecture or initialisation fault "
+                            "(normalisation, residual scaling), not bad data or a bad step"
+                        ),
                     )
                 decision = self._rollback(point, events, start, e.kind, True, has_target)
             if decision is not None:
