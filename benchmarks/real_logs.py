@@ -198,8 +198,13 @@ def report(verdicts: list[Verdict]) -> str:
         "Real logs in their native formats from repositories the project had not used "
         "(data/logs, sources in its SOURCES.md, labels in labels.json: clean, or an incident "
         "with its step span and kind, from the authors' words where they gave any). Halves by "
-        "the sha256 rule of `trust.file_half`; the detectors were not tuned on either half of "
-        "this corpus. An alarm is an `analyze` event at warning or above; one on a labelled "
+        "the sha256 rule of `trust.file_half`. What was tuned on it (issue 37): the grading of "
+        "grad outliers by the loss's response on two tune-half logs (swift-gemma4-fsdp2, "
+        "olmo-1b-0724-continue); the level-shift rule on the tune half's mlx-lora log among "
+        "generated ones; the zero-gradient rule was written after the report half's "
+        "olmo-20m-tied-emb-zero-grad had been seen missed, so that hit is not a held-out one. "
+        "The build-nanogpt logs were added after these changes; no rule was changed after "
+        "them. An alarm is an `analyze` event at warning or above; one on a labelled "
         "one-row outlier counts as a false alarm here, one on a `borderline` span counts "
         "neither way.",
         "",
