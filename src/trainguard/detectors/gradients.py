@@ -624,6 +624,7 @@ class VanishingGradientDetector(Detector):
         "loss_reference",
         "loss",
         "still",
+        "still_since",
         "still_first",
         "still_last",
         "still_reported",
@@ -639,6 +640,7 @@ class VanishingGradientDetector(Detector):
         self.loss_reference: float | None = None
         self.loss: float | None = None  # the latest finite loss
         self.still = 0  # consecutive steps whose global grad norm is under `abs_floor`
+        self.still_since = 0  # the first of them
         self.still_first: list[float] = []  # the first losses of that stretch
         self.still_last: deque[float] = deque(maxlen=STILL_LOSSES)  # and its latest
         self.still_reported = False
@@ -662,6 +664,8 @@ class VanishingGradientDetector(Detector):
             self.still_first.clear()
             self.still_last.clear()
             return []
+        if self.still == 0:
+            self.still_since = point.step
         self.still += 1
         if math.isfinite(point.loss):
             if len(self.still_first) < STILL_LOSSES:
@@ -673,7 +677,10 @@ class VanishingGradientDetector(Detector):
         first, last = median(self.still_first), median(list(self.still_last))
         fell = (first - last) / abs(first) if first else 0.0
         metrics = {"grad_norm": g, "steps": self.still, "loss_first": first, "loss_last": last}
-        said = f"the global gradient norm has been {fmt(g)} for {self.still} steps"
+        said = (
+            f"the global gradient norm has been {fmt(g)} since step {self.still_since} "
+            f"({self.still} logged steps)"
+        )
         ref = self.loss_reference if self.loss_reference is not None else first
         if abs(last) <= cfg.ratio * abs(ref):
             message = f"{said}; the loss vanished with it ({fmt(last)}): the model fits its data"
