@@ -220,28 +220,35 @@ class LineFormat:
         return row
 
     def read(self, path: Path, options: ReadOptions) -> list[LogData]:
-        try:
-            with open_bytes(path) as f:
-                lines = BoundedLines(f, cr=True)  # a progress bar's redraws are lines
-                parsed = self.parse_lines(_decoded(lines))
-        except gzip.BadGzipFile:  # said by read_runs, as every damaged gzip is
-            raise
-        except OSError as exc:
-            raise TrainguardError(
-                f"cannot read {path}: {exc.strerror or exc}; check the path and its permissions"
-            ) from None
-        rows, evals = parsed.columns()
-        if not len(rows.get("step", ())) and not len(evals.get("step", ())):
-            raise TrainguardError(
-                f"{path}: no line of the {self.name} format holds a step and a loss; name "
-                "another format with --format"
-            )
-        long = lines.note(path.name)
-        notes = parsed.notes(path.name) + ([long] if long is not None else [])
-        return [columns_of(path, rows, evals, notes=notes)]
+        return read_lines(
+            path, self.parse_lines, f"no line of the {self.name} format holds a step and a loss"
+        )
 
     def log_format(self) -> LogFormat:
         return LogFormat(self.name, self.description, self.sniff, self.read)
+
+
+def read_lines(
+    path: Path, parse: Callable[[Iterable[str]], ParsedLines], none_found: str
+) -> list[LogData]:
+    """A text log read line by line (gzip or plain, decoded, bounded) and parsed by `parse`;
+    `none_found` says what was missing where no row came out."""
+    try:
+        with open_bytes(path) as f:
+            lines = BoundedLines(f, cr=True)  # a progress bar's redraws are lines
+            parsed = parse(_decoded(lines))
+    except gzip.BadGzipFile:  # said by read_runs, as every damaged gzip is
+        raise
+    except OSError as exc:
+        raise TrainguardError(
+            f"cannot read {path}: {exc.strerror or exc}; check the path and its permissions"
+        ) from None
+    rows, evals = parsed.columns()
+    if not len(rows.get("step", ())) and not len(evals.get("step", ())):
+        raise TrainguardError(f"{path}: {none_found}; name another format with --format")
+    long = lines.note(path.name)
+    notes = parsed.notes(path.name) + ([long] if long is not None else [])
+    return [columns_of(path, rows, evals, notes=notes)]
 
 
 def _decoded(lines: BoundedLines) -> Iterator[str]:

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import gzip
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,10 +15,9 @@ from trainguard.analysis.formats.lines import (
     NUMERIC,
     ParsedLines,
     Row,
-    _decoded,
+    read_lines,
 )
-from trainguard.analysis.logs import BoundedLines, LogData, columns_of, open_bytes
-from trainguard.events import TrainguardError
+from trainguard.analysis.logs import LogData
 
 HEADER = re.compile(r"\[step=(\d+)(?:/\d+)?[,\]]")
 METRIC = re.compile(r"^\s+([\w./ ()-]+?)=(\S+)\s*$")
@@ -83,25 +81,9 @@ def parse_lines(lines: Iterable[str]) -> ParsedLines:
 
 
 def read(path: Path, options: ReadOptions) -> list[LogData]:
-    try:
-        with open_bytes(path) as f:
-            lines = BoundedLines(f, cr=True)
-            parsed = parse_lines(_decoded(lines))
-    except gzip.BadGzipFile:
-        raise
-    except OSError as exc:
-        raise TrainguardError(
-            f"cannot read {path}: {exc.strerror or exc}; check the path and its permissions"
-        ) from None
-    rows, evals = parsed.columns()
-    if not len(rows.get("step", ())) and not len(evals.get("step", ())):
-        raise TrainguardError(
-            f"{path}: no [step=N] block of the olmo format holds a train/CrossEntropyLoss; name "
-            "another format with --format"
-        )
-    long = lines.note(path.name)
-    notes = parsed.notes(path.name) + ([long] if long is not None else [])
-    return [columns_of(path, rows, evals, notes=notes)]
+    return read_lines(
+        path, parse_lines, "no [step=N] block of the olmo format holds a train/CrossEntropyLoss"
+    )
 
 
 FORMAT = LogFormat(
