@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,25 @@ def gpt(device: torch.device | str = "cpu") -> tuple[TinyGPT, torch.optim.Optimi
     cfg = TinyGPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256)
     model = TinyGPT(cfg).to(device)
     return model, torch.optim.AdamW(model.parameters(), lr=3e-4)
+
+
+def record_step(
+    decision: Any,
+    loss: torch.Tensor,
+    losses: list[float],
+    grads: list[float | None],
+    samples: list[Any],
+    events: list[dict[str, Any]],
+) -> None:
+    """One guarded step's loss, grad norm, sampled precursors and events, appended to the
+    early-warning benchmarks' records."""
+    losses.append(float(loss.detach()))
+    grads.append(decision.metrics.get("grad_norm"))
+    if "precursors" in decision.metrics:
+        samples.append([decision.step, decision.metrics["precursors"]])
+    for e in decision.events:
+        metrics = {k: v for k, v in e.metrics.items() if isinstance(v, (int, float, str))}
+        events.append({"step": e.step, "kind": e.kind, "severity": e.severity, "metrics": metrics})
 
 
 def write_section(name: str, title: str, body: str, command: str) -> None:

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import trainguard as tg
-from _common import Block, write_section
+from _common import Block, record_step, write_section
 from trainguard.demo.data import TextCorpus
 
 LRS = [float(x) for x in np.geomspace(1e-3, 0.4, 10)]
@@ -142,15 +142,7 @@ def train(
             loss.backward()
             decision = guard.step(loss)
             opt.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
-            grads.append(decision.metrics.get("grad_norm"))
-            if "precursors" in decision.metrics:
-                samples.append([decision.step, decision.metrics["precursors"]])
-            for e in decision.events:
-                metrics = {k: v for k, v in e.metrics.items() if isinstance(v, (int, float, str))}
-                events.append(
-                    {"step": e.step, "kind": e.kind, "severity": e.severity, "metrics": metrics}
-                )
+            record_step(decision, loss, losses, grads, samples, events)
     seconds = time.perf_counter() - started
     return {
         "losses": losses,

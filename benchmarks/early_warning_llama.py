@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import trainguard as tg
+from _common import record_step
 from trainguard.config import PreemptConfig
 from trainguard.demo.data import DEMO_TEXT
 from trainguard.detectors.base import MetricPoint
@@ -139,15 +140,7 @@ def train(lr: float, seed: int, vocab: int, steps: int, every: int) -> dict[str,
             loss.backward()
             decision = guard.step(loss)
             opt.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
-            grads.append(decision.metrics.get("grad_norm"))
-            if "precursors" in decision.metrics:
-                samples.append([decision.step, decision.metrics["precursors"]])
-            for e in decision.events:
-                metrics = {k: v for k, v in e.metrics.items() if isinstance(v, (int, float, str))}
-                events.append(
-                    {"step": e.step, "kind": e.kind, "severity": e.severity, "metrics": metrics}
-                )
+            record_step(decision, loss, losses, grads, samples, events)
     return {
         "losses": losses,
         "grad_norms": grads,
