@@ -363,7 +363,7 @@ def test_precursors_under_zero_2_and_3_are_measured_on_the_sampled_steps_alike(t
         assert ranks[0]["records"] == ranks[1]["records"]
         records = ranks[0]["records"]
         assert [r is not None for r in records] == [True, False, True, False, True]
-        assert set(records[2]) == {"max_logit", "attn_entropy", "block_rms", "log_z"}
+        assert set(records[2]) == {"max_logit", "attn_entropy", "block_rms", "log_z", "vocab_size"}
         assert set(records[2]["max_logit"]) == {"0", "1"}
         assert ranks[0]["hooked"] == [False, True, False, True, False]
         lines = [
