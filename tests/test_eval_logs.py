@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from test_evals import declines, live
 from trainguard import GuardConfig
 from trainguard.analysis.analyzer import analyze
 from trainguard.analysis.logs import LogData, read_log
 from trainguard.events import Event
-from trainguard.monitor import Monitor
 
 LOGS = Path(__file__).parent / "data" / "native_logs"
 EVERY = 250  # steps between evaluations, nanoGPT's shakespeare-char interval
@@ -47,17 +47,8 @@ def live_declines(
 ) -> list[Event]:
     """The `eval_decline` events of a live Monitor fed each training loss, then each evaluation
     made after the steps up to its own (as `analyze` orders them)."""
-    found: list[Event] = []
-    with Monitor(GuardConfig(console=False)) as monitor:
-        pending = list(evals)
-        for step, loss in train:
-            found += monitor.observe(step, loss=loss).events
-            while pending and pending[0][0] <= step:
-                at, value = pending.pop(0)
-                found += monitor.evaluate(at, {name: value})
-        for at, value in pending:
-            found += monitor.evaluate(at, {name: value})
-    return [e for e in found if e.kind == "eval_decline"]
+    steps, losses = (np.array(column) for column in zip(*train, strict=True))
+    return declines(live(steps, losses, evals, name))
 
 
 def offline_declines(data: LogData) -> list[Event]:
