@@ -3,6 +3,8 @@ OLMo and ms-swift stdout readers; and the scoring of benchmarks/real_logs.py."""
 
 from __future__ import annotations
 
+import csv
+import gzip
 import hashlib
 import re
 import sys
@@ -22,7 +24,8 @@ SOURCE = re.compile(
 
 
 def test_labels_index_every_log_and_each_reads_in_its_native_format_with_its_source():
-    """labels.json names every file once; each reads with no warning, has a SOURCES.md entry,
+    """labels.json names every file once; each reads with no warning (but the one a resumed run's
+    steps going back give, exactly where the label says `resumed`), has a SOURCES.md entry,
     the half the sha256 rule gives it, spans inside its steps, and is unhealthy exactly when it
     lists incidents (each with its kind)."""
     labels = rl.load_labels()
@@ -31,9 +34,11 @@ def test_labels_index_every_log_and_each_reads_in_its_native_format_with_its_sou
     assert sorted(labels) == files
     formats = set()
     for name, label in labels.items():
-        data = read_log(FOLDER / name)
+        data = read_log(FOLDER / name, loss_column=label.get("loss_column", "loss"))
         formats.add(data.format)
-        assert len(data.steps) and not data.warnings, (name, data.warnings)
+        resumed = [w for w in data.warnings if w.startswith("steps go back")]
+        assert len(data.steps) and len(data.warnings) == len(resumed), (name, data.warnings)
+        assert bool(resumed) == bool(label.get("resumed")), (name, "resumed", resumed)
         assert f"\n### {name}\n" in sources, f"{name} has no SOURCES.md entry"
         assert SOURCE.fullmatch(label["source"]), label["source"]
         even = int(hashlib.sha256(name.encode()).hexdigest(), 16) % 2 == 0
@@ -43,7 +48,7 @@ def test_labels_index_every_log_and_each_reads_in_its_native_format_with_its_sou
         for key in ("instabilities", "outliers", "borderline"):
             for start, end in label[key]:
                 assert data.steps[0] <= start <= end <= data.steps[-1], (name, key, start, end)
-    assert {"olmo", "hf_stdout", "hf_trainer_state", "nanogpt"} <= formats
+    assert {"olmo", "hf_stdout", "hf_trainer_state", "nanogpt", "llmc", "csv", "jsonl"} <= formats
     assert {label["half"] for label in labels.values()} == {"tune", "held_out"}
 
 
@@ -100,3 +105,22 @@ def test_the_benchmark_finds_a_nan_and_counts_an_alarm_off_the_labels_as_false(t
     assert score["clean logs alarmed"] == 1 and not score["clean alarmed share ok"]
     missing = rl.judge(tmp_path / "absent.log", label)
     assert missing.verdict == "unread" and missing.missed == [(425, 450)]
+
+
+def test_a_resumed_jax_log_keeps_each_replayed_steps_last_row_under_its_named_loss_column():
+    """The birdjepa CSV (steps go back ~260 at each of its resumes) reads with the label's
+    `loss_column`: one row a step, the later segment's value kept, the replayed rows set apart;
+    without the column named, the benchmark reports it unread."""
+    name = "jax-birdjepa-resume-seed2.csv.gz"
+    label = rl.load_labels()[name]
+    data = read_log(FOLDER / name, loss_column=label["loss_column"])
+    with gzip.open(FOLDER / name, "rt", newline="") as f:
+        rows = list(csv.DictReader(f))
+    last = {int(r["step"]): float(r["loss_ce"]) for r in rows}  # later rows overwrite
+    assert list(data.steps) == sorted(last)
+    assert list(data.loss) == pytest.approx([last[s] for s in sorted(last)])
+    replayed = set(int(s) for s in data.abandoned["step"])
+    assert len(replayed) > 100 and replayed <= set(last)
+    assert len(rows) == len(last) + len(data.abandoned["step"])
+    unnamed = rl.judge(FOLDER / name, {k: v for k, v in label.items() if k != "loss_column"})
+    assert unnamed.verdict == "unread" and unnamed.missed == [(4505, 4600)]
