@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import real_logs as rl
 from trainguard.analysis import read_log
+from trainguard.events import TrainguardError
 
 FOLDER = rl.FOLDER
 SOURCE = re.compile(
@@ -48,7 +49,8 @@ def test_labels_index_every_log_and_each_reads_in_its_native_format_with_its_sou
         for key in ("instabilities", "outliers", "borderline"):
             for start, end in label[key]:
                 assert data.steps[0] <= start <= end <= data.steps[-1], (name, key, start, end)
-    assert {"olmo", "hf_stdout", "hf_trainer_state", "nanogpt", "llmc", "csv", "jsonl"} <= formats
+    native = {"olmo", "hf_stdout", "hf_trainer_state", "nanogpt", "llmc", "nanochat"}
+    assert native | {"csv", "jsonl"} <= formats
     assert {label["half"] for label in labels.values()} == {"tune", "held_out"}
 
 
@@ -124,3 +126,35 @@ def test_a_resumed_jax_log_keeps_each_replayed_steps_last_row_under_its_named_lo
     assert len(rows) == len(last) + len(data.abandoned["step"])
     unnamed = rl.judge(FOLDER / name, {k: v for k, v in label.items() if k != "loss_column"})
     assert unnamed.verdict == "unread" and unnamed.missed == [(4505, 4600)]
+
+
+def test_nanochat_base_training_is_read_and_the_speedruns_later_stages_are_not(tmp_path):
+    """nanochat's base_train lines (one with a terminal's echoed `^[[A` before it) and their
+    validation bpb are read; mid-training's lines and evaluations after them are not; nanoswe's
+    line is this format too; a file with no such line is refused in one line."""
+    log = tmp_path / "speedrun.log"
+    log.write_text(
+        "Step 00000 | Validation bpb: 3.3013\n"
+        "step 00000/00003 (0.00%) | loss: 11.090355 | grad norm: 0.4282 | lrm: 1.00 | dt: 1ms\n"
+        "^[[A^[[Astep 00001/00003 (33.33%) | loss: 10.808654 | lrm: 1.00 | dt: 639.21ms\n"
+        "\x1b[2Kstep 00002/00003 (66.67%) | loss: nan | grad norm: inf | lrm: 0.50 | dt: 1ms\r"
+        "Step 00003 | Validation bpb: 1.2016\n"
+        "Step 00000 | Validation bpb: 0.6886\n"  # mid-training's: a later stage
+        "step 00000/00003 (0.00%) | loss: 1.5 | lrm: 1.00 | dt: 1ms\n"
+        "step 00770 (99.83%) | loss: 1.305023 | lrm: 0.01 | dt: 934.21ms\n"
+    )
+    data = read_log(log)
+    assert data.format == "nanochat" and list(data.steps) == [0, 1, 2]
+    assert data.loss[:2] == pytest.approx([11.090355, 10.808654]) and data.loss[2] != data.loss[2]
+    assert data.extra["grad_norm"][0] == pytest.approx(0.4282)
+    assert list(data.evals["step"]) == [0, 3] and list(data.evals["loss"]) == [3.3013, 1.2016]
+    fork = tmp_path / "nanoswe.log"
+    fork.write_text(
+        "[2026-06-25 19:33:47] step 000000 | loss 10.398314 | lrm 0.0250 | dt_ms 54852.9\n"
+        "[2026-06-25 19:33:56] step 000001 | loss 10.340952 | lrm 0.0500 | dt_ms 8124.4\n"
+    )
+    assert read_log(fork).format == "nanochat" and list(read_log(fork).steps) == [0, 1]
+    other = tmp_path / "other.log"
+    other.write_text("step 00770 (99.83%) | loss: 1.305023 | lrm: 0.01\n")
+    with pytest.raises(TrainguardError, match=r"^[^\n]*no line of the nanochat format"):
+        read_log(other, format="nanochat")
