@@ -393,7 +393,7 @@ def test_analyze_of_a_lightning_csv_and_of_a_guarded_run_folder_find_the_same(tm
 
 def test_the_report_draws_a_panel_per_evaluation_with_the_decline_marked(tmp_path):
     from trainguard.analysis.run import load_run
-    from trainguard.sinks.html_report import _curves, final_types, incidents_of
+    from trainguard.sinks.html_report import _curves, incidents_of
 
     steps, train, evals = curves(seed=6)
     run_dir = tmp_path / "run"
@@ -407,7 +407,7 @@ def test_the_report_draws_a_panel_per_evaluation_with_the_decline_marked(tmp_pat
                 monitor.evaluate(at, {"val_loss": value, **dict.fromkeys(names, 0.5)})
     record = load_run(run_dir)
     assert set(record.evals) == {"val_loss", *names}
-    figure = _curves(record, incidents_of(record.events), final_types(record.events))
+    figure = _curves(record, incidents_of(record.events))
     panels = [t["name"] for t in figure["data"] if t.get("mode") == "lines+markers"]
     assert panels == ["val loss", *[n.replace("_", " ") for n in names[:7]]]
     (marker,) = [t for t in figure["data"] if t.get("name") == "eval decline"]
@@ -418,7 +418,7 @@ def test_the_report_draws_a_panel_per_evaluation_with_the_decline_marked(tmp_pat
     # its card judges no outcome by the training loss (which falls, by the rule)
     from trainguard.sinks.html_report import _cards
 
-    cards = _cards(record, incidents_of(record.events), final_types(record.events))
+    cards = _cards(record, incidents_of(record.events))
     assert "eval_decline" in cards and "<dt>outcome</dt>" not in cards
 
 

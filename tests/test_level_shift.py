@@ -214,3 +214,73 @@ def test_a_megatron_skipped_iteration_where_the_loss_scale_falls_is_calibration(
     log = tmp_path / "megatron.log"
     log.write_text("\n".join(rows) + "\n")
     assert analyze(read_log(log)).incidents == []
+
+
+def count_log(path: Path, counts: dict[str, list[float]], seed: int = 6) -> Path:
+    """A daily log (`daily`) with count columns beside its loss, as CSV or JSONL by the name."""
+    steps, loss = daily(seed)
+    rows = [
+        {"step": int(s), "loss": round(float(v), 5), **{k: c[i] for k, c in counts.items()}}
+        for i, (s, v) in enumerate(zip(steps, loss, strict=True))
+    ]
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        names = list(rows[0])
+        lines = [",".join(names)] + [",".join(str(r[n]) for n in names) for r in rows]
+        path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_nan_iteration_count_in_a_csv_that_rises_above_0_is_critical(tmp_path):
+    per_interval = [0.0] * 130
+    per_interval[70] = 2.0  # one logging interval counted 2 NaN iterations; the loss averaged them
+    path = count_log(tmp_path / "nan.csv", {"nan_iterations": per_interval})
+    found = analyze(read_log(path)).incidents
+    assert [(e.step, e.kind, e.severity) for e in found] == [(71_000, "nonfinite", "critical")]
+    assert "nan_iterations column counts 2 " in found[0].message
+    assert found[0].metrics["column"] == "nan_iterations"
+
+
+def test_a_running_count_of_skipped_iterations_in_jsonl_is_reported_where_it_rises(tmp_path):
+    running = [0.0] * 40 + [1.0] * 50 + [3.0] * 40  # DeepSpeed's `skipped=K`: a running total
+    path = count_log(tmp_path / "skips.jsonl", {"skipped": running})
+    found = analyze(read_log(path)).incidents
+    assert [(e.step, e.severity, e.metrics["count"]) for e in found] == [
+        (41_000, "warning", 1.0),
+        (91_000, "warning", 2.0),
+    ]
+    assert all(e.metrics["column"] == "skipped_iterations" for e in found)
+
+
+@pytest.mark.parametrize("name", ["run.csv", "run.jsonl"])
+def test_count_columns_at_0_throughout_raise_nothing(tmp_path, name):
+    zeros = [0.0] * 130
+    counts = {"nan_iterations": zeros, "num_skipped_iterations": zeros, "overflow": zeros}
+    path = count_log(tmp_path / name, counts)
+    data = read_log(path)
+    assert {"nan_iterations", "skipped_iterations"} <= set(data.extra)  # read, and quiet
+    assert analyze(data).incidents == []
+
+
+def test_a_skipped_iteration_count_where_the_loss_scale_falls_is_calibration(tmp_path):
+    skipped = [0.0] * 130
+    skipped[40] = 1.0
+    scale = [65536.0] * 41 + [32768.0] * 89  # the scaler met an overflow and halved the scale
+    path = count_log(tmp_path / "fp16.csv", {"skipped_iterations": skipped, "loss_scale": scale})
+    assert analyze(read_log(path)).incidents == []
+    scale = [65536.0] * 130  # the same skip at a scale that did not fall
+    path = count_log(tmp_path / "bf16.csv", {"skipped_iterations": skipped, "loss_scale": scale})
+    assert [(e.step, e.severity) for e in analyze(read_log(path)).incidents] == [
+        (41_000, "warning")
+    ]
+
+
+def test_a_skip_that_the_grad_norm_column_shows_too_is_one_event(tmp_path):
+    skipped = [0.0] * 130
+    skipped[40] = 1.0
+    grad: list[float | str] = [0.3] * 130
+    grad[40] = "nan"
+    path = count_log(tmp_path / "both.csv", {"skipped_iterations": skipped, "grad_norm": grad})
+    [event] = analyze(read_log(path)).incidents
+    assert (event.step, event.metrics["column"]) == (41_000, "grad_norm")

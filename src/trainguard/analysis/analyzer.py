@@ -12,7 +12,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from trainguard.analysis.logs import LogData
-from trainguard.analysis.side_columns import side_column_nans
+from trainguard.analysis.side_columns import COUNT_COLUMNS, side_column_counts, side_column_nans
 from trainguard.config import DivergenceConfig, GuardConfig
 from trainguard.detectors import DetectorSuite
 from trainguard.detectors.level_shift import level_shifts, restarts_of
@@ -102,9 +102,10 @@ def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
     is one critical `nonfinite` event, on the final timeline and on the steps a rollback
     abandoned; a persistent step up of the loss level is a `level_shift` (`level_shifts`, with a
     lower bar at a restart the log shows), and a NaN grad norm beside a finite loss a `nonfinite`
-    warning (`side_column_nans`); the events a guarded run recorded (`data.recorded`) come
-    along, and a detector's event at the step and of the kind of a recorded one is left out as
-    the same incident."""
+    warning (`side_column_nans`), as is a rise of a count of skipped iterations (a critical one
+    for NaN iterations, `side_column_counts`); the events a guarded run recorded
+    (`data.recorded`) come along, and a detector's event at the step and of the kind of a
+    recorded one is left out as the same incident."""
     given = config or GuardConfig()
     cfg = scaled_config(given, data.steps, data.loss)
     suite = DetectorSuite(cfg)
@@ -118,8 +119,12 @@ def analyze(data: LogData, config: GuardConfig | None = None) -> Analysis:
         found += sparse_rises(data.steps, data.loss, cfg.divergence, data.extra.get("lr"))
     restarts = restarts_of(data.abandoned.get("step"))
     found += level_shifts(data.steps, data.loss, data.extra.get("lr"), restarts)
-    found += side_column_nans(
+    by_grad_norm = side_column_nans(
         data.steps, data.loss, data.extra.get("grad_norm"), data.extra.get("loss_scale")
+    )
+    counts = {k: v for k, v in data.extra.items() if k in COUNT_COLUMNS}
+    found += by_grad_norm + side_column_counts(
+        data.steps, data.loss, counts, data.extra.get("loss_scale"), by_grad_norm
     )
     recorded = [_event(r) for r in data.recorded or []]
     seen = {(e.step, e.kind) for e in recorded}

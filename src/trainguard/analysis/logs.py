@@ -30,7 +30,15 @@ from trainguard.line_writer import flush_writers
 if TYPE_CHECKING:
     from trainguard.analysis.formats import LogFormat, ReadOptions
 
-OPTIONAL = ("grad_norm", "lr", "loss_scale", "token_accuracy")
+# the count columns: NaN and skipped iterations (`side_columns.COUNT_COLUMNS`)
+OPTIONAL = (
+    "grad_norm",
+    "lr",
+    "loss_scale",
+    "token_accuracy",
+    "nan_iterations",
+    "skipped_iterations",
+)
 MAX_WARNED_ROWS = 10
 USE_PANDAS = True  # parse clean blocks with pandas when it is installed
 BLOCK_BYTES = 1 << 24  # bytes parsed at once; a block with a bad row is parsed row by row
@@ -69,6 +77,8 @@ TB_TAGS = {  # TensorBoard tags tried in order when none is named
     "lr": ("lr", "learning_rate", "train/learning_rate", "train/lr", "lr-AdamW", "lr-Adam"),
     "loss_scale": ("loss_scale", "train/loss_scale"),
     "token_accuracy": TOKEN_ACCURACY_NAMES,
+    "nan_iterations": ("nan_iterations", "train/nan_iterations", "num_nan_iterations"),
+    "skipped_iterations": ("skipped_iterations", "train/skipped_iterations", "skipped_steps"),
 }
 
 
@@ -196,14 +206,15 @@ def _nth(n: int) -> str:
 
 def _picked(bucket: np.ndarray, cols: Mapping[str, np.ndarray], lowest: bool) -> np.ndarray:
     """Which rows (sorted by row number; `bucket` is each one's run of rows) a thinning keeps:
-    of each run the first, the highest (and lowest) finite loss, the highest grad norm, and the
-    first and last row with a non-finite loss or an infinite figure."""
+    of each run the first, the highest (and lowest) finite loss, the highest grad norm and
+    counts, and the first and last row with a non-finite loss or an infinite figure."""
     n = len(bucket)
     keep = np.zeros(n, dtype=bool)
     starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])
     keep[starts] = True
     sizes = np.diff(np.r_[starts, n])
-    extremes = [("loss", 1.0), ("grad_norm", 1.0)] + ([("loss", -1.0)] if lowest else [])
+    extremes = [("loss", 1.0), ("grad_norm", 1.0), ("nan_iterations", 1.0)]
+    extremes += [("skipped_iterations", 1.0)] + ([("loss", -1.0)] if lowest else [])
     for key, sign in extremes:
         if key not in cols:
             continue

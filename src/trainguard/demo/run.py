@@ -15,11 +15,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import trainguard as tg
+from trainguard.analysis.run import RunRecord, load_run
 from trainguard.demo.data import Batch, TextCorpus
 from trainguard.demo.model import Block, TinyGPT, TinyGPTConfig
 from trainguard.demo.scenarios import Fault, planted, train
 from trainguard.line_file import stderr_report
 from trainguard.run_files import remove_tree
+from trainguard.sinks.html_report import Incident, incidents_of
 
 LR = 3e-3
 BATCH, SEQ = 16, 64
@@ -143,8 +145,10 @@ def run_demo(
     evals = list(corpus.batches(32, SEQ, 8, seed=999, held_out=True))
     for run in runs.values():
         run.eval_loss = _evaluate(run.model, evals)
-    rows = _incidents(runs, plan, faulty)
-    report = _report(run_dir, console)
+    record = _record(run_dir, console)
+    events = record.events if record is not None else [e.to_dict() for e in runs["guarded"].events]
+    rows = _incidents(runs, plan, faulty, incidents_of(events))
+    report = _report(record, run_dir, console)
     result = DemoResult(runs, rows, run_dir, report)
     console.print(_incident_table(rows))
     console.print(_final_table(runs))
@@ -305,8 +309,11 @@ def _evaluate(model: TinyGPT, batches: list[Batch]) -> float:
 ALARMS = ("loss_spike", "grad_spike", "grad_explosion", "nonfinite", "divergence")
 
 
-def _incidents(runs: dict[str, DemoRun], plan: Plan, data: list[Batch]) -> list[dict[str, str]]:
-    """For each planted incident, what the guard saw and did and where each run stood after."""
+def _incidents(
+    runs: dict[str, DemoRun], plan: Plan, data: list[Batch], cards: list[Incident]
+) -> list[dict[str, str]]:
+    """For each planted incident, what the guard saw and did and where each run stood after;
+    a spike's type is that of the report card (`cards`) it is on."""
     guarded = runs["guarded"]
     iteration_of = {ids: it for it, ids in reversed(guarded.first_ids.items())}
     starts = [
@@ -329,7 +336,7 @@ def _incidents(runs: dict[str, DemoRun], plan: Plan, data: list[Batch]) -> list[
             row["detected"] = "not detected"
             continue
         row["detected"] = f"step {alarm.step}"
-        row["as"] = alarm.kind + (f" ({_type_of(alarm, guarded.events)})" if alarm.type else "")
+        row["as"] = alarm.kind + (f" ({_type_of(alarm, cards)})" if alarm.type else "")
         origin = next((e for e in events if e.kind == "nan_origin"), None)
         if origin is not None:
             row["as"] += f"; origin {origin.metrics.get('module', '?')}"
@@ -338,14 +345,13 @@ def _incidents(runs: dict[str, DemoRun], plan: Plan, data: list[Batch]) -> list[
     return rows
 
 
-def _type_of(alarm: tg.Event, events: list[tg.Event]) -> str:
-    """The spike's first type, and its final one as the report card names it (the last
-    follow-up of its step, over the replays of rollbacks)."""
-    from trainguard.sinks.html_report import final_types
-
-    first = str(alarm.type).replace("_", " ")
-    final = final_types([e.to_dict() for e in events]).get(alarm.step, alarm.type)
-    later = str(final).replace("_", " ")
+def _type_of(alarm: tg.Event, cards: list[Incident]) -> str:
+    """The spike's first type, and its final one: the type of the report card it is on (one
+    computation for the table and the card, `incidents_of`)."""
+    card = next((c for c in cards if alarm.step in c.steps), None)
+    spike = card.first_spike if card is not None else None
+    first = str(spike["type"] if spike is not None else alarm.type).replace("_", " ")
+    later = str(card.type if card is not None and card.type else alarm.type).replace("_", " ")
     return first if later == first else f"{first}, revised to {later}"
 
 
@@ -434,12 +440,22 @@ def _story(run: DemoRun) -> str:
     return ("halted: " + str(run.halted.diagnosis) if run.halted else "") or told
 
 
-def _report(run_dir: Path, console: Console) -> Path | None:
-    from trainguard.analysis import load_run
+def _record(run_dir: Path, console: Console) -> RunRecord | None:
+    """The guarded run as its report reads it (None, said, when its files cannot be read)."""
+    try:
+        return load_run(run_dir)
+    except tg.TrainguardError as exc:
+        console.print(f"[red]no report: {exc}[/]")
+        return None
+
+
+def _report(record: RunRecord | None, run_dir: Path, console: Console) -> Path | None:
     from trainguard.sinks.html_report import write_report
 
+    if record is None:
+        return None
     try:
-        return write_report(load_run(run_dir), run_dir / "report.html", "trainguard demo")
+        return write_report(record, run_dir / "report.html", "trainguard demo")
     except tg.TrainguardError as exc:
         console.print(f"[red]no report: {exc}[/]")
         return None

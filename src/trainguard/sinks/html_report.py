@@ -85,7 +85,9 @@ class Incident:
     """The events of warning or above at steps at most NEAR_STEPS apart (one fault, and the
     steps a rollback replayed bring their events again): one card."""
 
-    events: list[dict[str, Any]]
+    events: list[dict[str, Any]]  # in step order
+    first_spike: dict[str, Any] | None = None  # the first typed loss spike the run met
+    type: str | None = None  # its final type: its first spike's, as that one's follow-up left it
 
     @property
     def step(self) -> int:
@@ -108,8 +110,9 @@ class Incident:
 
 
 def incidents_of(events: list[dict[str, Any]]) -> list[Incident]:
-    """The incidents of a run in step order: events of warning or above, those at most
-    NEAR_STEPS steps after the one before taken as one."""
+    """The incidents of a run (`events` in the order the run wrote them) in step order: events
+    of warning or above, those at most NEAR_STEPS steps after the one before taken as one, each
+    with its final type."""
     found = sorted((e for e in events if _is_incident(e)), key=lambda e: int(e["step"]))
     incidents: list[Incident] = []
     for e in found:
@@ -117,22 +120,30 @@ def incidents_of(events: list[dict[str, Any]]) -> list[Incident]:
             incidents[-1].events.append(e)
         else:
             incidents.append(Incident([e]))
+    incident_of = {id(e): i for i in incidents for e in i.events}
+    for at, e in enumerate(events):
+        incident = incident_of.get(id(e))
+        if incident is None or incident.first_spike is not None:
+            continue
+        if e.get("kind") == "loss_spike" and e.get("type"):
+            incident.first_spike = e
+            incident.type = _followed_type(e, events[at + 1 :])
     return incidents
 
 
-def final_types(events: list[dict[str, Any]]) -> dict[int, str]:
-    """Each spike's type as its follow-up left it (the last `spike_classified` for its step),
-    else as it was first typed."""
-    types: dict[int, str] = {}
-    for e in events:
-        if e.get("kind") == "loss_spike" and e.get("type"):
-            types.setdefault(int(e["step"]), str(e["type"]))
-    for e in events:
-        if e.get("kind") == "spike_classified" and e.get("type"):
-            spike = (e.get("metrics") or {}).get("spike_step", e.get("step"))
-            if isinstance(spike, int):
-                types[spike] = str(e["type"])
-    return types
+def _followed_type(spike: dict[str, Any], later: list[dict[str, Any]]) -> str:
+    """A spike's type as its own follow-up (`spike_classified`) left it, else its first guess.
+    A replay of its step after a rollback ends the search: that replay ran on another LR and
+    other batches, so its types are not this spike's evidence (the demo's decaying shard was
+    confirmed as data twice, then its third replay looked like an explosion)."""
+    step = spike.get("step")
+    for e in later:
+        if e.get("step") == step and e.get("kind") == "loss_spike":
+            break
+        spike_step = (e.get("metrics") or {}).get("spike_step", e.get("step"))
+        if e.get("kind") == "spike_classified" and e.get("type") and spike_step == step:
+            return str(e["type"])
+    return str(spike["type"])
 
 
 def require_plotly() -> None:
@@ -153,8 +164,7 @@ def write_report(record: RunRecord, out: str | Path, title: str | None = None) -
 
     path = Path(out)
     incidents = incidents_of(record.events)
-    types = final_types(record.events)
-    figures = [("curves", _curves(record, incidents, types))]
+    figures = [("curves", _curves(record, incidents))]
     if record.groups and len(record.group_steps):
         figures.append(("groups", _heatmap(record)))
     scripts = "\n".join(
@@ -174,7 +184,7 @@ def write_report(record: RunRecord, out: str | Path, title: str | None = None) -
             '<h2>Layer-group gradient norms</h2><p class="muted">log10 of each group\'s '
             'gradient norm per step.</p><div id="groups"></div>'
         )
-    body.append(_cards(record, incidents, types))
+    body.append(_cards(record, incidents))
     body.append(_lint(record))
     body.append(_config(record))
     page = (
@@ -249,10 +259,11 @@ def _colour(label: str) -> str:
     return TYPE_COLOURS.get(label, KIND_COLOURS.get(label, "#d62728"))
 
 
-def _label(event: dict[str, Any], types: dict[int, str]) -> str:
-    """What a marker or card is named by: a loss spike by its final type, else the kind."""
+def _label(event: dict[str, Any], incident: Incident) -> str:
+    """What a marker or card is named by: a loss spike by its incident's final type (the one the
+    demo's table says), else the kind."""
     if event.get("kind") == "loss_spike":
-        return types.get(int(event["step"])) or str(event.get("type") or "loss_spike")
+        return incident.type or str(event.get("type") or "loss_spike")
     return str(event.get("type") or event["kind"])
 
 
@@ -283,7 +294,7 @@ def _value_at(steps: np.ndarray, values: np.ndarray, step: int) -> float:
     return float(values[finite[-1]]) if len(finite) else math.nan
 
 
-def _curves(record: RunRecord, incidents: list[Incident], types: dict[int, str]) -> dict[str, Any]:
+def _curves(record: RunRecord, incidents: list[Incident]) -> dict[str, Any]:
     from plotly.subplots import make_subplots
 
     cols = record.columns
@@ -369,7 +380,7 @@ def _curves(record: RunRecord, incidents: list[Incident], types: dict[int, str])
             annotation_text=f"clip {clip:g}",
             annotation_position="top left",
         )
-    _mark_incidents(fig, record, incidents, types, row_of)
+    _mark_incidents(fig, record, incidents, row_of)
     fig.update_layout(
         height=260 + 170 * len(panels),
         margin={"l": 60, "r": 20, "t": 20, "b": 40},
@@ -384,7 +395,6 @@ def _mark_incidents(
     fig: Any,
     record: RunRecord,
     incidents: list[Incident],
-    types: dict[int, str],
     row_of: dict[str, int],
 ) -> None:
     """A marker per event kind and step, on the panel of what it is about, coloured and named
@@ -411,7 +421,7 @@ def _mark_incidents(
                 value = _value_at(*_panel_series(record, panel), step)
             if kind == "nonfinite":
                 nonfinite.append(step)
-            label = _label(e, types)
+            label = _label(e, incident)
             said = label if label != kind else str(e["severity"])
             text = (  # the user's strings escaped, trainguard's own <br> kept
                 f"step {step}: {_plotly_text(kind)} ({_plotly_text(said)})"
@@ -525,7 +535,7 @@ def _summary(record: RunRecord, incidents: list[Incident]) -> str:
     return f'<div class="verdict {cls}">{html.escape(verdict)}</div><table>{cells}</table>'
 
 
-def _cards(record: RunRecord, incidents: list[Incident], types: dict[int, str]) -> str:
+def _cards(record: RunRecord, incidents: list[Incident]) -> str:
     if not incidents:
         return "<h2>Incidents</h2><p>None at warning or above.</p>"
     by_step: dict[int, list[dict[str, Any]]] = {}
@@ -537,7 +547,7 @@ def _cards(record: RunRecord, incidents: list[Incident], types: dict[int, str]) 
                 by_step.setdefault(key, []).append(r)
     shown = incidents[:MAX_CARDS]
     cards = [
-        _card(record, i, _distinct_events([r for s in i.steps for r in by_step.get(s, [])]), types)
+        _card(record, i, _distinct_events([r for s in i.steps for r in by_step.get(s, [])]))
         for i in shown
     ]
     more = (
@@ -564,15 +574,13 @@ def _distinct(texts: list[str]) -> list[str]:
     return list(dict.fromkeys(t for t in texts if t))
 
 
-def _card(
-    record: RunRecord, incident: Incident, related: list[dict[str, Any]], types: dict[int, str]
-) -> str:
+def _card(record: RunRecord, incident: Incident, related: list[dict[str, Any]]) -> str:
     """One incident: when, what, cause, diagnosis, action and outcome."""
     step, last = incident.step, incident.last_step
     when = f"step {step}" if step == last else f"steps {step}..{last}"
     esc = html.escape
     primary = incident.primary
-    label = _label(primary, types)
+    label = _label(primary, incident)
     rows: list[tuple[str, str]] = [("step", when.split(" ", 1)[1])]
     if label != primary["kind"]:
         rows.append(("cause", esc(label.replace("_", " "))))

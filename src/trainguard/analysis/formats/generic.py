@@ -31,6 +31,15 @@ OPTIONAL_NAMES = {
     "lr": ("lr", "learning_rate", "train/learning_rate", "train/lr", "lr-AdamW", "lr-Adam"),
     "loss_scale": ("loss_scale", "train/loss_scale", "scale"),
     "token_accuracy": TOKEN_ACCURACY_NAMES,
+    "nan_iterations": (  # iterations whose loss was NaN or Inf (the loss column averages them out)
+        *("nan_iterations", "num_nan_iterations", "nan_iteration_count", "num_nan", "nan_count"),
+        *("nan_steps", "num_nan_steps", "number_of_nan_iterations"),
+    ),
+    "skipped_iterations": (  # iterations skipped for non-finite gradients (fp16 overflow too)
+        *("skipped_iterations", "num_skipped_iterations", "skipped_iters", "skipped_steps"),
+        *("num_skipped", "skipped", "number_of_skipped_iterations", "overflow", "overflows"),
+        *("overflow_count", "num_overflow", "num_overflows", "overflow_steps"),
+    ),
 }
 
 
