@@ -21,9 +21,11 @@ schedule, 6 learning rates x 2 seeds x 800 steps (the issue's sweep was 8 x 2 x 
 larger machine: shortened to run on 2 shared CPU cores, about 40 minutes with --jobs 2). Seed
 0 tunes, seed 1 is reported; the warnings are judged again from each run's cached figures by
 the detector as it stands (a rerun only re-scores; `--replay` does the same for the first
-family's cached watched runs), and warnings are counted on every run whose loss never spikes.
+family's cached watched runs, and `--replay --train` first trains those of seeds 0-2 that the
+cache lacks, about 15 minutes), and warnings are counted on every run whose loss never spikes.
 
 Run: nice python benchmarks/early_warning.py [--steps 1500] [--warmup 0.4] [--every 50]
+     nice python benchmarks/early_warning.py --replay --train
      nice python benchmarks/early_warning.py --family llama --jobs 2
 """
 
@@ -72,8 +74,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
 ORACLE = "oracle"  # no guard: the seed's best stable LR schedule from the first warning's step on
 COLLAPSED = 0.1  # nats: a layer's attention entropy under this at the end is collapsed (one-hot)
 # runs of earlier code differ: v1 cuts did not hold and rescaled once a warning; v2 warned of a
-# signal past critical only after the trend window; v3 kept no grad norms nor severities
-CACHE_VERSION = 4
+# signal past critical only after the trend window; v3 kept no grad norms nor severities; v4's
+# live events are the detector's before issue 37 (v5: after it)
+CACHE_VERSION = 5
 LOSS_KINDS = ("loss_spike", "divergence", "grad_explosion", "grad_spike", "oscillation", "stall")
 
 
@@ -273,6 +276,44 @@ def job(
     return train(lr, seed, steps, VARIANTS.get(arm), warmup, every)
 
 
+def cache_key(
+    args: argparse.Namespace, arm: str, lr: float, seed: int, version: int = CACHE_VERSION
+) -> str:
+    """A run's key in the cache: the code's version, the arm, LR, seed and schedule."""
+    k = f"v{version}|{arm}|{lr:.6g}|{seed}|{args.steps}"
+    if args.warmup != WARMUP_SHARE:
+        k += f"|warmup {args.warmup:g}"
+    if args.every != EVERY:
+        k += f"|every {args.every}"
+    return k
+
+
+def ensure_runs(
+    cache: dict[str, Any],
+    args: argparse.Namespace,
+    wanted: list[tuple[str, float, int, dict[str, Any]]],
+) -> None:
+    """Run the wanted runs (arm, LR, seed, extra) the cache lacks, `--jobs` at a time, writing
+    the cache after each."""
+    missing = [w for w in wanted if cache_key(args, *w[:3]) not in cache]
+    if not missing:
+        return
+    with ProcessPoolExecutor(args.jobs, initializer=_one_thread) as pool:
+        futures = {
+            pool.submit(job, arm, lr, seed, args.steps, args.warmup, args.every, extra): (
+                arm,
+                lr,
+                seed,
+            )
+            for arm, lr, seed, extra in missing
+        }
+        for future in as_completed(futures):
+            k = cache_key(args, *futures[future])
+            cache[k] = future.result()
+            args.cache.write_text(json.dumps(cache))
+            print(f"{k}: {cache[k]['seconds']:.0f}s", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=("gpt", "llama"), default="gpt")
@@ -291,6 +332,12 @@ def main() -> None:
         help="gpt: judge the cached watched runs again with the detector as it stands (issue 37;"
         " the seeds trained so far, no preemptive reruns, no training)",
     )
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="with --replay: first train, with the code as it stands, the watched runs of every"
+        " seed that the cache lacks in its current version",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (one thread each)")
     args = parser.parse_args()
     _one_thread()
@@ -304,36 +351,11 @@ def main() -> None:
         return
     cache: dict[str, Any] = json.loads(args.cache.read_text()) if args.cache.exists() else {}
 
-    def key(arm: str, lr: float, seed: int) -> str:
-        k = f"v{CACHE_VERSION}|{arm}|{lr:.6g}|{seed}|{args.steps}"
-        if args.warmup != WARMUP_SHARE:
-            k += f"|warmup {args.warmup:g}"
-        if args.every != EVERY:
-            k += f"|every {args.every}"
-        return k
-
     def ensure(wanted: list[tuple[str, float, int, dict[str, Any]]]) -> None:
-        """Run the wanted runs the cache lacks, `--jobs` at a time."""
-        missing = [w for w in wanted if key(*w[:3]) not in cache]
-        if not missing:
-            return
-        with ProcessPoolExecutor(args.jobs, initializer=_one_thread) as pool:
-            futures = {
-                pool.submit(job, arm, lr, seed, args.steps, args.warmup, args.every, extra): (
-                    arm,
-                    lr,
-                    seed,
-                )
-                for arm, lr, seed, extra in missing
-            }
-            for future in as_completed(futures):
-                k = key(*futures[future])
-                cache[k] = future.result()
-                args.cache.write_text(json.dumps(cache))
-                print(f"{k}: {cache[k]['seconds']:.0f}s", file=sys.stderr, flush=True)
+        ensure_runs(cache, args, wanted)
 
     def run(arm: str, lr: float, seed: int) -> dict[str, Any]:
-        out: dict[str, Any] = cache[key(arm, lr, seed)]
+        out: dict[str, Any] = cache[cache_key(args, arm, lr, seed)]
         return out
 
     seeds = TUNE_SEEDS + REPORT_SEEDS
@@ -402,28 +424,44 @@ def main() -> None:
 
 def gpt_replay(args: argparse.Namespace) -> None:
     """The first family's cached watched runs judged again by the detector as it stands, as the
-    second family's are (`early_warning_llama.report`): seed 0 tunes, seeds 1 and 2 report."""
+    second family's are (`early_warning_llama.report`): seed 0 tunes, seeds 1 and 2 report. A
+    run of the current cache version is taken over one of v4 (trained before issue 37); with
+    `--train`, every seed's runs the current version lacks are trained first."""
     import early_warning_llama as family
 
     cache: dict[str, Any] = json.loads(args.cache.read_text()) if args.cache.exists() else {}
+    seeds = TUNE_SEEDS + REPORT_SEEDS
+    if args.train:
+        ensure_runs(cache, args, [("base", lr, s, {}) for s in seeds for lr in LRS])
     vocab = TextCorpus.load().vocab_size
-    runs = {
-        (vocab, lr, s): cache[k]
-        for s in TUNE_SEEDS + REPORT_SEEDS
-        for lr in LRS
-        if (k := f"v{CACHE_VERSION}|base|{lr:.6g}|{s}|{args.steps}") in cache
-    }
+    runs: dict[tuple[int, float, int], dict[str, Any]] = {}
+    trained_by: dict[int, set[int]] = {}  # cache version -> seeds
+    for s in seeds:
+        for lr in LRS:
+            for version in (CACHE_VERSION, 4):
+                if (k := cache_key(args, "base", lr, s, version)) in cache:
+                    runs[(vocab, lr, s)] = cache[k]
+                    trained_by.setdefault(version, set()).add(s)
+                    break
     splits = tuple(
-        (name, tuple(s for s in seeds if any(k[2] == s for k in runs)))
-        for name, seeds in (("tune", TUNE_SEEDS), ("report", REPORT_SEEDS))
+        (name, tuple(s for s in seeds_ if any(k[2] == s for k in runs)))
+        for name, seeds_ in (("tune", TUNE_SEEDS), ("report", REPORT_SEEDS))
     )
     splits = tuple(x for x in splits if x[1])
     table, _ = family.report(runs, args.steps, args.every, splits, lead_target=100)
+    code = {
+        CACHE_VERSION: "the code as it stands (cache v{v}: 'before' is then the live events of "
+        "the current detector, and before and now should agree)",
+        4: "the code before issue 37 (cache v{v}: 'before' is the detector before issue 37)",
+    }
+    trained = "; ".join(
+        f"seed(s) {', '.join(map(str, sorted(trained_by[v])))} trained with " + code[v].format(v=v)
+        for v in sorted(trained_by, reverse=True)
+    )
     body = (
         f"The first family's watched runs ({args.steps} steps, the probe every {args.every}; "
-        f"seeds {', '.join(str(s) for _, seeds in splits for s in seeds)} trained with the "
-        "code before issue 37), judged again by the detector as it stands; outcomes and "
-        "columns as for the second family below.\n\n" + table
+        f"{trained}), judged again by the detector as it stands; outcomes and columns as for "
+        "the second family below.\n\n" + table + "\n\n" + collapse_rule_line(runs, splits)
     )
     print(body)
     if not args.no_write:
@@ -431,9 +469,38 @@ def gpt_replay(args: argparse.Namespace) -> None:
             "early-warning-gpt-replay",
             "Early warning: the first family judged again (issue 37)",
             body,
-            f"nice python benchmarks/early_warning.py --replay --steps {args.steps} "
-            f"--every {args.every}",
+            f"nice python benchmarks/early_warning.py --replay{' --train' if args.train else ''} "
+            f"--steps {args.steps} --every {args.every}",
         )
+
+
+def collapse_rule_line(
+    runs: dict[tuple[int, float, int], dict[str, Any]],
+    splits: tuple[tuple[str, tuple[int, ...]], ...],
+) -> str:
+    """The warnings now on stable runs as the issue-21 section counts them (no loss spike and
+    every layer's attention intact at the end), per split, beside the outcome rule above."""
+    import early_warning_llama as family
+
+    parts = []
+    for name, seeds in splits:
+        keys = [
+            k
+            for k, r in runs.items()
+            if k[2] in seeds and spike_step(r["losses"]) is None and not collapsed(r)
+        ]
+        now = {k: family._warnings(family.replay(runs[k], k[0])) for k in keys}
+        warned = sorted(k for k in keys if now[k])
+        parts.append(
+            f"{name} {sum(len(w) for w in now.values())} warnings on {len(warned)} of "
+            f"{len(keys)} runs"
+            + (f" (LR {', '.join(f'{k[1]:.3g} seed {k[2]}' for k in warned)})" if warned else "")
+        )
+    return (
+        "By the issue-21 section's rule (stable: no loss spike and no layer's attention "
+        f"collapsed under {COLLAPSED} nats at the end), the precursor warnings now on stable "
+        "runs: " + "; ".join(parts) + "."
+    )
 
 
 def llama_main(args: argparse.Namespace) -> None:
