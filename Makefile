@@ -5,16 +5,25 @@ STAMP := $(VENV)/.installed
 RUNTIME_STAMP := $(VENV)/.installed-runtime
 
 CHROMIUM ?= /usr/bin/chromium
+# Two pytest workers, a test file each at a time (module fixtures are built once); the ten
+# slowest tests are printed after the run (benchmarks/README.md: the suite's time budget).
+PYTEST_WORKERS ?= -n 2 --dist loadfile
 
 .PHONY: test lint typecheck pytest demo bench chromium clean
 
+# Each set-up step runs once: a second `make test` finds its stamp (or Chromium, or the built
+# DeepSpeed op) and says nothing; the first says what it installs.
 $(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	@echo "creating the virtual environment $(VENV) and upgrading its pip"
+	@$(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
-	touch $(STAMP)
+	@echo "installing trainguard (editable) with its dev extras into $(VENV): torch (CPU, pinned by"
+	@echo "constraints.txt), ruff, mypy, pytest with xdist, hypothesis, DeepSpeed, transformers,"
+	@echo "lightning, wandb, tensorboard, plotly, playwright (pyproject.toml [dev])"
+	@$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	@touch $(STAMP)
 
 # The demo needs only trainguard's runtime dependencies and plotly for its HTML report (the
 # `report` extra), not the dev tools; pip's own lines (not --quiet) show the install's progress.
@@ -36,7 +45,7 @@ test: $(STAMP) chromium
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 	$(BIN)/python tests/prepare_deepspeed.py
-	$(BIN)/pytest
+	$(BIN)/pytest $(PYTEST_WORKERS) --durations=10
 
 demo: $(RUNTIME_STAMP)
 	$(BIN)/trainguard demo

@@ -1,5 +1,6 @@
 """Prepare DeepSpeed for the CPU tests (`make test` runs this first): clear a stale build lock
-of its shared-memory op, then build or load the op once, so that no test waits on a compile.
+of its shared-memory op, then build the op once, so that no test waits on a compile; where it is
+built already and no build is under way, it does nothing and says nothing.
 
 A compile that was killed leaves `lock` in the op's build folder under torch's extension root
 (`TORCH_EXTENSIONS_DIR`, else `~/.cache/torch_extensions`), and every later start waits on it
@@ -50,21 +51,31 @@ def clear_stale_locks(root: Path, now: float) -> list[Path]:
     return removed
 
 
+def built(root: Path) -> bool:
+    """Whether this Python's CPU build of the op is there, with no build lock beside it."""
+    folder = root / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / OP
+    return (folder / f"{OP}.so").is_file() and not (folder / "lock").exists()
+
+
 def main() -> int:
+    root = extension_root()
+    for lock in clear_stale_locks(root, time.time()):
+        print(f"removed the stale build lock {lock} (a killed compile left it)")
+    if built(root):
+        return 0
     try:
         import deepspeed  # noqa: F401
     except ImportError:
         print("DeepSpeed is not installed: its tests are skipped")
         return 0
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for lock in clear_stale_locks(extension_root(), time.time()):
-        print(f"removed the stale build lock {lock} (a killed compile left it)")
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None:
         print("this DeepSpeed accelerator has no shared-memory op to build")
         return 0
+    print(f"building DeepSpeed's {OP} op for its CPU tests under {root} (once, about a minute)")
     started = time.perf_counter()
     builder.load(verbose=False)
     print(f"DeepSpeed's {OP} op is ready ({time.perf_counter() - started:.1f} s)")

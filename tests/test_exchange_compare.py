@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from test_distributed import launch
 
 
@@ -22,6 +24,10 @@ def findings(run_dir: Path) -> list[tuple[Any, ...]]:
     ]
 
 
+@pytest.mark.slow(
+    "four runs of 3 gloo ranks (two exchanges, faulty and clean) in one world; the straggler "
+    "sleeps 0.12 s a step for 40 steps in each faulty run"
+)
 def test_reduce_and_gather_find_the_same_faults_and_act_alike(tmp_path):
     results = launch("exchange_compare", 3, tmp_path)
     for run in ("", "-clean"):

@@ -48,6 +48,10 @@ def test_block_orders_put_each_variant_first_and_last_alike():
     assert gpu.block_orders(["plain", "guard"], 4) == [["plain", "guard"], ["guard", "plain"]] * 2
 
 
+@pytest.mark.slow(
+    "the GPU benchmark's every section (sizes, syncs, snapshots, checkpoints, faults on both "
+    "paths) on tiny models on the CPU"
+)
 def test_smoke_run_reports_every_section(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     argv = ["gpu.py", "--smoke", "--device", "cpu", "--sizes", "19M", "--steps", "10"]

@@ -45,6 +45,10 @@ def reference(tmp_path_factory) -> dict[int, str]:
     return losses(run_dir)
 
 
+@pytest.mark.slow(
+    "the first user of the module's reference run (a subprocess trained to the end), then a "
+    "run killed by SIGKILL and resumed"
+)
 def test_resume_after_sigkill_follows_the_same_trajectory_bit_for_bit(reference, tmp_path):
     assert worker(tmp_path, "--kill-at", "90") == -signal.SIGKILL
     assert max(losses(tmp_path)) == 89
