@@ -1,21 +1,91 @@
-"""Shared helpers: the demo corpus, reading run files, synthetic loss curves, and a real full
-disk."""
+"""Shared helpers: the demo corpus, reading run files, synthetic loss curves, a real full disk,
+and the `trainguard` command run in this process."""
 
 from __future__ import annotations
 
 import errno
 import gc
+import io
 import json
 import math
 import os
 import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
 from trainguard.demo import MarkovCorpus, scenarios
 from trainguard.line_writer import flush_writers
+
+
+@dataclass
+class Ran:
+    """What one `trainguard` command printed and how it exited."""
+
+    code: int
+    out: str
+    err: str
+
+    @property
+    def returncode(self) -> int:
+        return self.code
+
+    @property
+    def stdout(self) -> str:
+        return self.out
+
+    @property
+    def stderr(self) -> str:
+        return self.err
+
+    @property
+    def error(self) -> str:
+        lines = [line for line in self.err.splitlines() if line.startswith("error: ")]
+        assert len(lines) == 1, self.err
+        return lines[0]
+
+
+def cli(*args: str | Path, cwd: Path | None = None, columns: int | None = 200) -> Ran:
+    """`trainguard ARGS` run in this process through `main()`, as the console script runs it (no
+    interpreter start); `cwd` the folder it runs in, `columns` the COLUMNS it sees (None: unset).
+    The modules a command imported from a user's folder (lint's set-up) are forgotten after it."""
+    from trainguard.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_path, saved_modules, saved_cwd = list(sys.path), set(sys.modules), os.getcwd()
+    environ = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    if columns is not None:
+        environ["COLUMNS"] = str(columns)
+    code = 0
+    argv = ["trainguard", *map(str, args)]
+    with (
+        mock.patch.object(sys, "argv", argv),
+        mock.patch.dict(os.environ, environ, clear=True),
+        redirect_stdout(out),
+        redirect_stderr(err),
+    ):
+        try:
+            if cwd is not None:
+                os.chdir(cwd)
+            main()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        finally:
+            os.chdir(saved_cwd)
+            sys.path[:] = saved_path
+            for name in set(sys.modules) - saved_modules:
+                origin = getattr(sys.modules[name], "__file__", None) or ""
+                if origin and not origin.startswith((sys.prefix, sys.base_prefix, _SOURCE)):
+                    del sys.modules[name]
+    return Ran(code, out.getvalue(), err.getvalue())
+
+
+_SOURCE = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def corpus() -> MarkovCorpus:

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -17,15 +13,12 @@ import trainguard as tg
 from test_real_curves import CURVES
 from trainguard.analysis import LogData, analyze, read_log, spike_score
 
-EXE = shutil.which("trainguard", path=str(Path(sys.executable).parent))
+from helpers import Ran, cli
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    assert EXE
-    env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run(
-        [EXE, "analyze", *args], capture_output=True, text=True, env=env, timeout=300, check=False
-    )
+def run(*args: str) -> Ran:
+    """`trainguard analyze ARGS`, in this process (test_cli.py runs the console script)."""
+    return cli("analyze", *args)
 
 
 def test_a_real_run_with_spikes_exits_1_with_one_json_object():

@@ -1,4 +1,5 @@
-"""The installed `trainguard` command, run as a user runs it."""
+"""The `trainguard` command: the installed console script where the test is about it (help,
+version, the demo), else `main()` in this process (the same code, without an interpreter start)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,20 @@ import sys
 from pathlib import Path
 
 import jsonschema
+import pytest
 
 from trainguard.sinks import load_schema
 
-from helpers import read_jsonl
+from helpers import Ran, cli, read_jsonl
 
 EXE = shutil.which("trainguard", path=str(Path(sys.executable).parent))
 
 
-def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run(*args: str, cwd: Path | None = None) -> Ran:
+    return cli(*args, cwd=cwd)
+
+
+def shell(*args: str) -> subprocess.CompletedProcess[str]:
     assert EXE, "the trainguard console script is not installed in this environment"
     env = {**os.environ, "COLUMNS": "200"}  # rich wraps at the terminal width
     return subprocess.run(
@@ -27,16 +33,15 @@ def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]
         capture_output=True,
         text=True,
         timeout=1200,
-        cwd=cwd,
         check=False,
         env=env,
     )
 
 
 def test_help_and_version():
-    out = run("--help")
+    out = shell("--help")
     assert out.returncode == 0 and "demo" in out.stdout
-    assert run("version").stdout.strip() == "0.1.0"
+    assert shell("version").stdout.strip() == "0.1.0"
 
 
 def test_config_prints_defaults_and_checks_files(tmp_path):
@@ -58,8 +63,12 @@ def test_config_reference_prints_the_markdown_reference(tmp_path):
     assert with_file.returncode == 2 and with_file.stderr.startswith("error:")
 
 
+@pytest.mark.slow(
+    "the demo as a user runs it: the console script trains the guarded, unguarded and clean "
+    "runs (200 steps each) and writes the report"
+)
 def test_demo_recovers_from_the_four_planted_incidents(tmp_path):
-    out = run("demo", "--steps", "200", "--run-dir", str(tmp_path / "demo"))
+    out = shell("demo", "--steps", "200", "--run-dir", str(tmp_path / "demo"))
     assert out.returncode == 0, out.stderr
     text = out.stdout
     progress = [line for line in text.splitlines() if line.startswith("demo ")]
@@ -103,10 +112,7 @@ def test_lint_a_setup_from_a_file(tmp_path):
     assert {"no-warmup", "adam-beta2", "residual-init"} <= codes and "no-clipping" not in codes
     unclipped = run("lint", f"{setup}:build", "--max-grad-norm", "0", "--json")
     assert "no-clipping" in {f["code"] for f in json.loads(unclipped.stdout)}
-    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    piped = subprocess.run(  # to a pipe, no COLUMNS: a table wider than rich's 80
-        [EXE, "lint", f"{setup}:build"], capture_output=True, text=True, env=env, timeout=1200
-    )
+    piped = cli("lint", f"{setup}:build", columns=None)  # no terminal, no COLUMNS: wider than 80
     assert max(len(line) for line in piped.stdout.splitlines()) > 80
     missing = run("lint", f"{tmp_path / 'nope.py'}:build")
     assert missing.returncode == 2 and "not found" in missing.stderr

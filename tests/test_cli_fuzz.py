@@ -14,10 +14,8 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -28,10 +26,12 @@ from rich.console import Console
 
 from trainguard.analysis import RunWatcher, load_run, read_log
 from trainguard.analysis.logs import LogData
-from trainguard.cli import main
 from trainguard.config import GuardConfig
 from trainguard.events import EVENT_KINDS, TrainguardError
 from trainguard.sinks.html_report import write_report
+
+from helpers import Ran
+from helpers import cli as run_in_process
 
 EXE = shutil.which("trainguard", path=str(Path(sys.executable).parent))
 FUZZ = settings(
@@ -58,35 +58,9 @@ SPIKE = {
 }
 
 
-@dataclass
-class Ran:
-    """What one `trainguard` command printed and how it exited."""
-
-    code: int
-    out: str
-    err: str
-
-    @property
-    def error(self) -> str:
-        lines = [line for line in self.err.splitlines() if line.startswith("error: ")]
-        assert len(lines) == 1, self.err
-        return lines[0]
-
-
 def cli(*args: str | Path) -> Ran:
-    """`trainguard ARGS` run in this process through `main()`, as the console script runs it."""
-    out, err = io.StringIO(), io.StringIO()
-    saved_path = list(sys.path)  # lint and scan put the set-up's folder on it
-    code = 0
-    argv = ["trainguard", *map(str, args)]
-    with mock.patch.object(sys, "argv", argv), redirect_stdout(out), redirect_stderr(err):
-        try:
-            main()
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-        finally:
-            sys.path[:] = saved_path
-    return Ran(code, out.getvalue(), err.getvalue())
+    """`trainguard ARGS` run in this process, with the environment's COLUMNS as it is."""
+    return run_in_process(*args, columns=None)
 
 
 def shell(*args: str | Path, prefix: Sequence[str] = ()) -> Ran:
