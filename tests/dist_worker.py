@@ -63,18 +63,29 @@ class CollectiveCounter:
             setattr(dist, name, wrapped)
 
 
-def run(rank: int, world: int, scenario: str, out: str, port: int) -> None:
+def run(rank: int, world: int, scenario: str | list[str], out: str, port: int) -> None:
+    """One rank: a scenario writes its result to OUT/rank{rank}.json; a list of scenarios runs
+    them one after another in this one world (each in OUT/NAME, seeded alike) and writes
+    {name: result}."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(1234 + rank)
+    names = [scenario] if isinstance(scenario, str) else scenario
+    results: dict[str, Any] = {}
     try:
-        result = SCENARIOS[scenario](rank, world, Path(out))
-        dist.barrier()  # no rank tears down its connections while a peer's last send is in flight
+        for name in names:
+            folder = Path(out) if isinstance(scenario, str) else Path(out) / name
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.manual_seed(1234 + rank)
+            results[name] = SCENARIOS[name](rank, world, folder)
+            # the scenario's guard, DDP and FSDP objects (in reference cycles) release their
+            # groups and pending work now, not in the interpreter's finalization, where gloo can
+            # abort; no rank goes on (or tears down) while a peer's last send is in flight
+            gc.collect()
+            dist.barrier()
     finally:
-        # the scenario's guard, DDP and FSDP objects (in reference cycles) release their groups
-        # and pending work now, not in the interpreter's finalization, where gloo can abort
         gc.collect()
         dist.destroy_process_group()
+    result = results[scenario] if isinstance(scenario, str) else results
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
 
 

@@ -36,7 +36,7 @@ def launch(out: Path, world: int, scenarios: list[str]) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("deepspeed")
-    two_ranks = [name for name in SCENARIOS if name not in ("replica_three", "precursors")]
+    two_ranks = [name for name in SCENARIOS if name != "replica_three"]
     return out, launch(out, WORLD, two_ranks)
 
 
@@ -54,6 +54,10 @@ def weights_at(result: dict[str, Any], step: int) -> list[list[float]]:
     return [w for s, w in result["at_start"] if s == step]
 
 
+@pytest.mark.slow(
+    "the first test of the module's DeepSpeed world: the `runs` fixture starts 2 ranks once "
+    "and runs every two-rank scenario in them"
+)
 def test_a_nan_on_rank_1_alone_makes_every_rank_skip_the_same_step(runs):
     out, results = runs
     first, second = (r["nan_on_rank1"] for r in results)
@@ -166,6 +170,9 @@ def test_a_replica_nudged_by_1e_minus_6_is_found_at_the_next_check_before_the_en
     assert divergence["metrics"]["classes"] == {"0": [0, 1]}
 
 
+@pytest.mark.slow(
+    "a third DeepSpeed rank makes a majority: its own 3-rank world, DeepSpeed imported in each"
+)
 def test_with_a_majority_a_diverged_replica_is_skipped_and_gathered_again(tmp_path):
     results = launch(tmp_path, 3, ["replica_three"])
     for r in results:
@@ -284,6 +291,10 @@ def torchrun(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow(
+    "what it checks is a real restart: torchrun runs 2 DeepSpeed ranks clean, then killed and "
+    "restarted, each start importing DeepSpeed"
+)
 def test_a_rank_killed_under_torchrun_resumes_from_deepspeeds_checkpoint(tmp_path):
     clean = torchrun(tmp_path / "clean")
     assert clean.returncode == 0, clean.stderr[-3000:]
@@ -326,6 +337,24 @@ def test_the_prepare_step_clears_only_a_stale_build_lock(tmp_path):
     assert (fresh / "lock").exists() and (held / "lock").exists()
 
 
+def test_the_prepare_step_does_nothing_where_the_op_is_built(tmp_path, monkeypatch, capsys):
+    """A second `make test` finds the built op and neither imports DeepSpeed nor prints a line;
+    a build lock beside it (a build under way) or no op at all means it is not ready."""
+    import prepare_deepspeed
+
+    python = f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+    folder = tmp_path / python / prepare_deepspeed.OP
+    assert not prepare_deepspeed.built(tmp_path)
+    folder.mkdir(parents=True)
+    (folder / f"{prepare_deepspeed.OP}.so").touch()
+    assert prepare_deepspeed.built(tmp_path)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # an import would raise
+    assert prepare_deepspeed.main() == 0 and capsys.readouterr().out == ""
+    (folder / "lock").touch()
+    assert not prepare_deepspeed.built(tmp_path)
+
+
 def test_the_hf_trainer_running_deepspeed_is_guarded_by_the_callback(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -354,10 +383,10 @@ def test_the_hf_trainer_running_deepspeed_is_guarded_by_the_callback(tmp_path):
     assert [(e["step"], e["severity"]) for e in nonfinite] == [(12, "critical")]
 
 
-def test_precursors_under_zero_2_and_3_are_measured_on_the_sampled_steps_alike(tmp_path):
+def test_precursors_under_zero_2_and_3_are_measured_on_the_sampled_steps_alike(runs):
     """The probe on the first micro-batch of every 2nd step, under ZeRO-2 and ZeRO-3, hooks gone
     between; every rank's figures the same (one all-gather); a token accuracy passed in."""
-    results = launch(tmp_path, WORLD, ["precursors"])
+    out, results = runs
     for stage in ("2", "3"):
         ranks = [r["precursors"][stage] for r in results]
         assert ranks[0]["records"] == ranks[1]["records"]
@@ -368,7 +397,7 @@ def test_precursors_under_zero_2_and_3_are_measured_on_the_sampled_steps_alike(t
         assert ranks[0]["hooked"] == [False, True, False, True, False]
         lines = [
             json.loads(x)
-            for x in (tmp_path / "precursors" / f"stage{stage}" / "metrics.jsonl")
+            for x in (out / "precursors" / f"stage{stage}" / "metrics.jsonl")
             .read_text()
             .splitlines()
         ]

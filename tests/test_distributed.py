@@ -17,7 +17,9 @@ import torch.multiprocessing as mp
 from dist_worker import run
 
 
-def launch(scenario: str, world: int, out: Path) -> list[dict]:
+def launch(scenario: str | list[str], world: int, out: Path) -> list[dict]:
+    """Each rank's result of `scenario` in a new gloo world; of a list, {name: result} a rank,
+    each scenario's files in OUT/NAME."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -29,8 +31,36 @@ def events(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
 
 
-def test_a_nan_on_rank_1_alone_makes_every_rank_skip_the_same_step(tmp_path):
-    results = launch("nan_on_rank1", 2, tmp_path)
+class World:
+    """Several scenarios run one after another in one gloo world (one launch for the module)."""
+
+    def __init__(self, out: Path, results: list[dict]) -> None:
+        self.out, self.results = out, results
+
+    def __call__(self, scenario: str) -> tuple[list[dict], Path]:
+        """Each rank's result of `scenario`, and the folder of its files."""
+        return [r[scenario] for r in self.results], self.out / scenario
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> World:
+    out = tmp_path_factory.mktemp("two-ranks")
+    names = ["nan_on_rank1", "straggler", "fsdp_norm", "fsdp_checkpoint", "precursors_agree"]
+    return World(out, launch(names, 2, out))
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> World:
+    out = tmp_path_factory.mktemp("three-ranks")
+    return World(out, launch(["clean_small_batches", "sdc", "sdc_reference"], 3, out))
+
+
+@pytest.mark.slow(
+    "the first test of the `two_ranks` world: five scenarios run once in 2 gloo ranks for the "
+    "module"
+)
+def test_a_nan_on_rank_1_alone_makes_every_rank_skip_the_same_step(two_ranks):
+    results, run_dir = two_ranks("nan_on_rank1")
     assert results[0]["actions"] == results[1]["actions"]
     actions = dict(map(tuple, results[0]["actions"]))
     assert actions[30] == actions[45] == "skip"
@@ -38,7 +68,7 @@ def test_a_nan_on_rank_1_alone_makes_every_rank_skip_the_same_step(tmp_path):
     for r in results:  # the guard's SUM and MAX a step; a round names rank 1, a replay adds one
         expected = [4 if step in (30, 45) else 2 for step in range(60)]
         assert r["collectives_per_step"] == expected and r["exchange_calls"] == 2 * 60 + 2
-    found = [e for e in events(tmp_path) if e["step"] == 30]
+    found = [e for e in events(run_dir) if e["step"] == 30]
     outlier = next(e for e in found if e["kind"] == "rank_outlier")
     assert outlier["rank"] == 1 and outlier["severity"] == "critical"
     assert outlier["metrics"]["ranks"] == [1] and "non-finite" in outlier["message"]
@@ -48,11 +78,12 @@ def test_a_nan_on_rank_1_alone_makes_every_rank_skip_the_same_step(tmp_path):
     assert origin["rank"] == 1 and origin["metrics"]["op"] == "aten.mse_loss.default"
     verdict = [e for e in found if e["kind"] == "rank_outlier" and "suspect" in e["metrics"]]
     assert [(e["rank"], e["metrics"]["suspect"]) for e in verdict] == [(1, True)]
-    later = [e for e in events(tmp_path) if e["step"] == 45 and "suspect" in e["metrics"]]
+    later = [e for e in events(run_dir) if e["step"] == 45 and "suspect" in e["metrics"]]
     assert [(e["rank"], e["metrics"]["suspect"]) for e in later] == [(1, False)]
-    assert all(e["rank"] is not None for e in events(tmp_path))
+    assert all(e["rank"] is not None for e in events(run_dir))
 
 
+@pytest.mark.slow("a rollback agreed by 4 gloo ranks, 4 processes on 2 cores")
 def test_toxic_batches_on_one_rank_roll_every_rank_back_together(tmp_path):
     results = launch("toxic_on_rank2", 4, tmp_path)
     first = results[0]["actions"]
@@ -69,17 +100,17 @@ def test_toxic_batches_on_one_rank_roll_every_rank_back_together(tmp_path):
     assert not [e for e in found if e["kind"].startswith("replica")]  # agreed at step 100
 
 
-def test_a_rank_slowed_2x_is_named_a_straggler(tmp_path):
-    launch("straggler", 2, tmp_path)
-    found = [e for e in events(tmp_path) if e["kind"] == "straggler"]
+def test_a_rank_slowed_2x_is_named_a_straggler(two_ranks):
+    _, run_dir = two_ranks("straggler")
+    found = [e for e in events(run_dir) if e["kind"] == "straggler"]
     assert [e["rank"] for e in found] == [1]
     figures = found[0]["metrics"]
     assert figures["step_time_s"] > 1.5 * figures["others_step_time_s"]
     assert figures["host"] == socket.gethostname()
 
 
-def test_the_fsdp2_grad_norm_equals_the_single_process_one(tmp_path):
-    results = launch("fsdp_norm", 2, tmp_path)
+def test_the_fsdp2_grad_norm_equals_the_single_process_one(two_ranks):
+    results, _ = two_ranks("fsdp_norm")
     for r in results:
         assert r["norms"] == pytest.approx(r["expected"], rel=1e-5)
     assert results[0]["norms"] == results[1]["norms"]
@@ -105,6 +136,10 @@ def torchrun(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow(
+    "what it checks is a real restart: torchrun runs 2 ranks clean, then killed and restarted "
+    "by its agent"
+)
 def test_a_rank_killed_under_torchrun_restarts_and_resumes_where_it_was(tmp_path):
     clean = torchrun(tmp_path / "clean")
     assert clean.returncode == 0, clean.stderr[-3000:]
@@ -123,36 +158,39 @@ def test_a_rank_killed_under_torchrun_restarts_and_resumes_where_it_was(tmp_path
     assert "trainguard-rank0.json" in shards and "trainguard-rank1.json" in shards
 
 
-def test_fsdp2_checkpoints_are_sharded_and_resume_to_the_same_weights(tmp_path):
-    results = launch("fsdp_checkpoint", 2, tmp_path)
+def test_fsdp2_checkpoints_are_sharded_and_resume_to_the_same_weights(two_ranks):
+    results, run_dir = two_ranks("fsdp_checkpoint")
     for r in results:
         assert r["start"] == 10
         assert r["second"] == pytest.approx(r["first"], rel=1e-6)
-    step = tmp_path / "checkpoints" / "step-10"
+    step = run_dir / "checkpoints" / "step-10"
     assert (step / "trainguard-rank0.json").is_file() and (step / "trainguard-rank1.json").is_file()
     table = json.loads((step / "tensors.json").read_text())["tensors"]
     sharded = [v["chunks"] for k, v in table.items() if k.startswith("model.")]
     assert sharded and all(len(chunks) == 2 for chunks in sharded)  # one shard per rank
     for chunks in sharded:  # each rank wrote its own shard's blob, named by its bytes
         for chunk in chunks:
-            blob = tmp_path / "checkpoints" / "blobs" / chunk["blob"]
+            blob = run_dir / "checkpoints" / "blobs" / chunk["blob"]
             assert blob.stat().st_size == chunk["bytes"]
             assert hashlib.sha256(blob.read_bytes()).hexdigest() == chunk["blob"]
     assert [r["written"] > 0 for r in results] == [True, True]  # both ranks wrote blobs
 
 
-def test_three_healthy_ranks_of_32_samples_raise_no_rank_outlier(tmp_path):
-    launch("clean_small_batches", 3, tmp_path)
-    assert not [e for e in events(tmp_path) if e["kind"].startswith("replica")]  # step 100
-    found = [e for e in events(tmp_path) if e["kind"] == "rank_outlier"]
+@pytest.mark.slow(
+    "the first test of the `three_ranks` world: three scenarios (a clean run, the x1000 fault "
+    "and its reference) in 3 gloo ranks"
+)
+def test_three_healthy_ranks_of_32_samples_raise_no_rank_outlier(three_ranks):
+    _, run_dir = three_ranks("clean_small_batches")
+    assert not [e for e in events(run_dir) if e["kind"].startswith("replica")]  # step 100
+    found = [e for e in events(run_dir) if e["kind"] == "rank_outlier"]
     assert [e for e in found if e["severity"] != "info"] == []
     assert not any(e["metrics"].get("suspect") for e in found)
 
 
-def test_gradients_x1000_on_one_rank_skip_the_step_on_every_rank_then_replay_it(tmp_path):
-    results = launch("sdc", 3, tmp_path / "run")
-    (tmp_path / "reference").mkdir()
-    reference = launch("sdc_reference", 3, tmp_path / "reference")
+def test_gradients_x1000_on_one_rank_skip_the_step_on_every_rank_then_replay_it(three_ranks):
+    results, run_dir = three_ranks("sdc")
+    reference, _ = three_ranks("sdc_reference")
     planted = {40, 60, 80}
     for r in results:
         assert r["actions"] == results[0]["actions"]
@@ -160,7 +198,7 @@ def test_gradients_x1000_on_one_rank_skip_the_step_on_every_rank_then_replay_it(
         assert r["weights"] == results[0]["weights"]  # the replicas never diverged
         # each planted step's update was left out, and nothing else changed
         assert r["weights"] == pytest.approx(reference[0]["skipped"]["weights"], rel=1e-5)
-    found = [e for e in events(tmp_path / "run") if e["kind"] == "rank_outlier"]
+    found = [e for e in events(run_dir) if e["kind"] == "rank_outlier"]
     assert {e["step"] for e in found} == planted and {e["rank"] for e in found} == {1}
     verdicts = [(e["step"], e["metrics"]["suspect"]) for e in found if "suspect" in e["metrics"]]
     # a lasting fault comes back on replay; a one-off does not; with no replay, no verdict
@@ -173,10 +211,10 @@ def test_gradients_x1000_on_one_rank_skip_the_step_on_every_rank_then_replay_it(
     assert guarded == pytest.approx(clean, rel=0.05)
 
 
-def test_every_rank_gets_the_same_precursors_the_max_over_the_ranks(tmp_path):
+def test_every_rank_gets_the_same_precursors_the_max_over_the_ranks(two_ranks):
     """One all-gather on a sampled step only; each precursor the largest rank's, on every rank
     (the Adam ratio aside: the state is only the guard's to read at its step)."""
-    results = launch("precursors_agree", 2, tmp_path)
+    results, _ = two_ranks("precursors_agree")
     assert results[0]["agreed"] == results[1]["agreed"]
     assert sorted(results[0]["agreed"]) == ["0", "4", "8"]
     for step in ("0", "4", "8"):
