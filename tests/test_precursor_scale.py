@@ -148,6 +148,46 @@ def test_a_collapse_far_past_critical_is_a_warning_before_the_loss_moves() -> No
     assert warned and warned[0].metrics["value"] >= 1000.0
 
 
+def _past_then(after: list[float], rescaled_at: int | None = None) -> list[tuple[int, str]]:
+    """(step, severity) of the precursor events on a layer-1 max logit that rises 25% a sample
+    from 10 to past 1000 (warned), holds there, then takes the values `after`; the guard's own
+    rescale, where given, lands just before sample `rescaled_at` of `after`."""
+    rise = [10.0 * 1.25**i for i in range(22)] + [1500.0, 1700.0]
+    detector = PrecursorWarningDetector()
+    events: list[Event] = []
+    for i, value in enumerate(rise + after):
+        step = i * EVERY
+        if rescaled_at is not None and i == len(rise) + rescaled_at:
+            events += detector.update(
+                MetricPoint(step=step - 1, loss=3.0, grad_norm=1.0, weights_rewritten=True)
+            )
+        precursors = {"max_logit": {"1": value}}
+        point = MetricPoint(step=step, loss=3.0 - 0.002 * i, grad_norm=1.0, precursors=precursors)
+        events += detector.update(point)
+    return [(e.step, e.severity) for e in events]
+
+
+def test_a_one_sample_dip_of_a_collapsed_layer_does_not_warn_once_more() -> None:
+    """A collapsed layer's sampled max logit dipping under critical / margin for one sample
+    between values of 1000s: the collapse goes on, so no second 'past critical' warning."""
+    held = _past_then([1800.0] * 3)
+    assert [s for s in held if s[1] == "warning"] == [(21 * EVERY, "warning")]
+    assert _past_then([-50.0] + [1800.0] * 3) == held
+
+
+def test_a_lasting_drop_or_the_guards_rescale_rearms_the_warning() -> None:
+    """Under critical / margin for `confirm` (3) samples in a row, or for one sample just after
+    the guard's own QK rescale: past critical again is warned of once more."""
+    first = (21 * EVERY, "warning")
+    lasting = _past_then([-50.0, -40.0, -60.0] + [1800.0] * 3)
+    assert lasting == [(13 * EVERY, "info"), first, (27 * EVERY, "warning")]
+    assert _past_then([-50.0, -40.0] + [1800.0] * 3)[-1] == first  # two samples: a dip
+    rescaled = _past_then([12.0] + [1800.0] * 3, rescaled_at=0)
+    assert rescaled == [(13 * EVERY, "info"), first, (25 * EVERY, "warning")]
+    # the rescale's flag, kept over the steps without a sample, is spent on the next sample
+    assert _past_then([1600.0, 12.0] + [1800.0] * 3, rescaled_at=0)[-1] == first
+
+
 def test_preemptive_actions_only_on_warnings_of_the_signals_of_divergence() -> None:
     policy = StepPolicy(preempt=PreemptConfig(actions=["lr_cut", "qk_rescale"]))
     point = MetricPoint(500, 2.0, precursors={"max_logit": {"0": 300.0}})

@@ -37,7 +37,8 @@ class PrecursorWarningDetector(Detector):
     about it and not slowing, that reaches critical within `horizon` steps, or the value past
     critical after a sample held was outside `margin` of it (even before `window` samples);
     `confirm` samples in a row warn, once an episode (it ends after `window` samples that fail
-    the rules)."""
+    the rules); past critical again within it after a lasting drop (`confirm` samples outside
+    `margin`, or one after the guard's own rescale), said once more."""
 
     name = EventKind.PRECURSOR.value
     _state = (
@@ -46,6 +47,8 @@ class PrecursorWarningDetector(Detector):
         "warned",
         "quiet",
         "passed",
+        "away",
+        "rewritten",
         "given",
         "baselines",
         "losses",
@@ -62,6 +65,9 @@ class PrecursorWarningDetector(Detector):
         self.quiet: dict[str, int] = {}  # samples in a row since, that met no rule
         # past its critical level since it was last outside `margin` of it (warned of once)
         self.passed: dict[str, bool] = {}
+        self.away: dict[str, int] = {}  # samples in a row outside `margin` of critical
+        # the guard rewrote weights (a QK rescale) since the last sampled step
+        self.rewritten = False
         self.given: dict[str, str] = {}  # the severity given in the episode going on
         self.baselines: dict[str, float] = {}  # log Z's: ln(vocabulary), else its first sample
         # the sampled steps' losses and grad norms, the latest `window` each, and the lowest
@@ -71,6 +77,7 @@ class PrecursorWarningDetector(Detector):
         self.lowest: dict[str, float] = {}
 
     def update(self, point: MetricPoint) -> list[Event]:
+        self.rewritten |= point.weights_rewritten
         if not point.precursors:
             return []
         self._follow_effect(point)
@@ -83,6 +90,7 @@ class PrecursorWarningDetector(Detector):
                 event = self._judge(point, signal, str(layer), float(value), critical)
                 if event is not None:
                     events.append(event)
+        self.rewritten = False
         return events
 
     def _follow_effect(self, point: MetricPoint) -> None:
@@ -163,8 +171,11 @@ class PrecursorWarningDetector(Detector):
         now = _towards(signal, value, base)
         past = now >= target
         near = _near(now, target, cfg.margin)
-        if not near:
-            self.passed[key] = False  # far from critical again (a preemptive rescale): re-armed
+        self.away[key] = 0 if near else self.away.get(key, 0) + 1
+        if self.away[key] >= cfg.confirm or (self.away[key] and self.rewritten):
+            # far from critical again and staying there, or brought there by the guard's rescale:
+            # re-armed (a one-sample dip of a collapsed layer's sampled value is not)
+            self.passed[key] = False
         if past and self.warned.get(key, False) and not self.passed.get(key, False):
             # warned of earlier in this episode and now past critical (again): said once more
             self.passed[key] = True
