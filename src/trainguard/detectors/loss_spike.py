@@ -187,11 +187,15 @@ class LossSpikeDetector(Detector):
     # where the drift has moved the level: a fast fall is not a tail), read from TAIL_FIT_SAMPLES
     # on (0 before). A jump that stays over `persist_z`, widened by how far the upper quantile lies
     # beyond a Gaussian's (1 until TAIL_MIN_SAMPLES), for `persist_steps` steps is a spike too;
-    # those steps join the baseline only if the loss comes back before that. A spike lasts until
-    # the loss falls back under half `persist_z`; one lasting a quarter of the window becomes the
-    # new level. `spike_classified` revises the type after `classify_window` steps, or after
-    # `confirm_steps` (see LossSpikeConfig) when a spike typed data toxicity stays far up on the
-    # batches after it.
+    # those steps join the baseline only if the loss comes back before that. In a run whose
+    # baseline has doubled its recent mean (noise as large as the level, as mixed-length batches
+    # give), the ratio rule needs the reach as well, and the jumps that came back before they
+    # could persist are the noise's own tail beyond the body: from TAIL_MIN_SAMPLES on, the reach
+    # is at least what they reach, carried out from their rate at the body's power. A spike
+    # lasts until the loss falls back under half `persist_z`; one lasting a quarter of the window
+    # becomes the new level. `spike_classified` revises the type after `classify_window` steps,
+    # or after `confirm_steps` (see LossSpikeConfig) when a spike typed data toxicity stays far
+    # up on the batches after it.
 
     name = "loss_spike"
     gate_figure = "loss"
