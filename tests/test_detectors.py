@@ -113,7 +113,12 @@ def test_a_run_whose_noise_doubles_its_mean_takes_its_undone_excursions_as_noise
     assert det.doublings > 10 and det.reach > 15
     planted = y.copy()
     planted[9000] = 20 * float(np.median(y[8900:9000]))
-    stepped = [e.step for e in feed(LossSpikeDetector(), planted) if e.kind == "loss_spike"]
+    live, stepped = LossSpikeDetector(), []
+    for step, value in enumerate(planted.tolist()):
+        bound = live.gate_bound()  # the device gate's bound agrees with the rules here too
+        if any(e.kind == "loss_spike" for e in live.update(MetricPoint(step=step, loss=value))):
+            stepped.append(step)
+        assert (stepped[-1:] == [step]) == (value > bound), step
     series = MetricSeries(np.arange(len(planted), dtype=np.int64), planted)
     bulk = [e.step for e in DetectorSuite(tg.GuardConfig()).run(series) if e.kind == "loss_spike"]
     assert stepped == bulk == [9000]
