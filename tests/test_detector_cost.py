@@ -160,7 +160,8 @@ def _check_loss_spike(det: LossSpikeDetector, loss: float) -> None:
     for field in ("z_noise", "below", "ratio"):
         assert repr(float(getattr(one, field))) == repr(float(getattr(chunk, field)[0])), field
     assert repr(float(one.noise_var)) == repr(float(chunk.noise_var[0]))
-    got, want = det._rules(one, det.tail, det.reach), det._rules(chunk, det.tail, det.reach)
+    rules = (det.tail, det.reach, det.doublings)
+    got, want = det._rules(one, *rules), det._rules(chunk, *rules)
     assert [bool(x) for x in got[:3]] == [bool(x[0]) for x in want[:3]] and got[3] == want[3]
 
 

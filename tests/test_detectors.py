@@ -90,6 +90,55 @@ def test_ratio_rule_catches_gross_jump_even_with_wide_noise():
     assert spikes[0].metrics["rule"] == "ratio"
 
 
+def _nanoswe_losses() -> np.ndarray:
+    """nanoswe's 24 h d42 run (data/logs, a tune-half log): per-step loss 0.3-0.5 with rows of
+    1.5-2.0 that the next row undoes (mixed-length trajectory data)."""
+    from pathlib import Path
+
+    from trainguard.analysis import read_log
+
+    data = read_log(
+        Path(__file__).resolve().parents[1] / "data/logs/nanoswe-d42-192h-speedrun.log.gz"
+    )
+    return data.loss[np.isfinite(data.loss)]
+
+
+def test_a_run_whose_noise_doubles_its_mean_takes_its_undone_excursions_as_noise():
+    """Rows of 3-5x the median that the next row undoes are this run's noise (its baseline
+    doubles its mean routinely): no spike, and the reach rises over them; a toxic batch far past
+    them is still one, in bulk as step by step."""
+    y = _nanoswe_losses()
+    det = LossSpikeDetector()
+    assert [e for e in feed(det, y) if e.kind == "loss_spike"] == []
+    assert det.doublings > 10 and det.reach > 15
+    planted = y.copy()
+    planted[9000] = 20 * float(np.median(y[8900:9000]))
+    live, stepped = LossSpikeDetector(), []
+    for step, value in enumerate(planted.tolist()):
+        bound = live.gate_bound()  # the device gate's bound agrees with the rules here too
+        if any(e.kind == "loss_spike" for e in live.update(MetricPoint(step=step, loss=value))):
+            stepped.append(step)
+        assert (stepped[-1:] == [step]) == (value > bound), step
+    series = MetricSeries(np.arange(len(planted), dtype=np.int64), planted)
+    bulk = [e.step for e in DetectorSuite(tg.GuardConfig()).run(series) if e.kind == "loss_spike"]
+    assert stepped == bulk == [9000]
+
+
+def test_the_ratio_rule_defers_to_the_reach_only_where_the_noise_doubles_the_mean():
+    """A row at 2.5x the mean and z between 5 and the noise's reach: noise in a run whose
+    baseline has doubled its mean, a spike in one whose noise never came near a doubling."""
+    rng = np.random.default_rng(5)
+    y = 0.4 * rng.gamma(4.0, 0.25, 3000)  # noise half the level: the mean doubles now and then
+    det = LossSpikeDetector()
+    feed(det, y[:2999])
+    assert det.doublings > 0 and det.reach > det.config.ratio_min_z
+    level = float(np.median(y[2990:2999]))
+    sigma = det.short
+    row = level + 0.5 * (det.config.ratio_min_z + det.reach) * sigma
+    assert row > 2.5 * float(np.mean(det.window))
+    assert [e for e in det.update(MetricPoint(step=2999, loss=row))] == []
+
+
 def test_spikes_never_enter_the_baseline():
     y = lm_curve(1000, seed=4)
     y[500] *= 3.0

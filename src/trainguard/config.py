@@ -49,7 +49,9 @@ class LossSpikeConfig(_Section):
         5.0,
         ge=0,
         description="The ratio rule also needs the loss this many noise standard deviations over"
-        " its level: a doubling alone is no evidence where the loss nears zero.",
+        " its level: a doubling alone is no evidence where the loss nears zero. Once the run's"
+        " own baseline has doubled its recent mean (noise as large as the level), it needs the"
+        " loss past the noise's reach too.",
     )
     level_window: int = Field(
         5,

@@ -16,7 +16,6 @@ from trainguard.detectors.base import Detector, MetricPoint, SpikeRun, fmt
 from trainguard.detectors.series import (
     MetricSeries,
     divide_where_positive,
-    first_true,
     maximum,
     mean_of,
     median_of,
@@ -112,6 +111,7 @@ class _TailCounts:
         self.low_bins = low_bins
         self.hist0 = np.asarray(detector.z_hist, dtype=np.float64)
         self.low0 = np.asarray(detector.low_hist, dtype=np.float64)
+        self.excursions0 = np.asarray(detector.excursion_hist, dtype=np.float64)
         self.halve_at = 20 * detector.config.noise_horizon
         t0 = detector.z_total
         self.totals: np.ndarray | None = None
@@ -144,6 +144,14 @@ class _TailCounts:
         out: np.ndarray = counted + self.hist0 * 2.0 ** -float(h[-1])
         return out
 
+    def excursions_after(self, c: int) -> np.ndarray:
+        """The undone excursions' histogram once `c` values are counted: halved with the rest
+        (none joins it in bulk, where no step is elevated)."""
+        if c == 0:
+            return self.excursions0.copy()
+        out: np.ndarray = self.excursions0 * 2.0 ** -float(self.halvings[c - 1])
+        return out
+
     def low_after(self, c: int) -> np.ndarray:
         """The signed histogram once `c` values are counted (it stops at TAIL_MIN_SAMPLES)."""
         counted = np.bincount(self.low_bins[:c][self.low_counted[:c]], minlength=LOW_BINS)
@@ -158,7 +166,7 @@ class _TailCounts:
         r = int(self.recounts[k - 1])
         if r not in self.cache:
             self.cache[r] = self.detector._tail_of(
-                self.hist_after(r), self.total_after(r), self.low_after(r)
+                self.hist_after(r), self.total_after(r), self.low_after(r), self.excursions_after(r)
             )
         return self.cache[r]
 
@@ -179,11 +187,15 @@ class LossSpikeDetector(Detector):
     # where the drift has moved the level: a fast fall is not a tail), read from TAIL_FIT_SAMPLES
     # on (0 before). A jump that stays over `persist_z`, widened by how far the upper quantile lies
     # beyond a Gaussian's (1 until TAIL_MIN_SAMPLES), for `persist_steps` steps is a spike too;
-    # those steps join the baseline only if the loss comes back before that. A spike lasts until
-    # the loss falls back under half `persist_z`; one lasting a quarter of the window becomes the
-    # new level. `spike_classified` revises the type after `classify_window` steps, or after
-    # `confirm_steps` (see LossSpikeConfig) when a spike typed data toxicity stays far up on the
-    # batches after it.
+    # those steps join the baseline only if the loss comes back before that. In a run whose
+    # baseline has doubled its recent mean (noise as large as the level, as mixed-length batches
+    # give), the ratio rule needs the reach as well, and the jumps that came back before they
+    # could persist are the noise's own tail beyond the body: from TAIL_MIN_SAMPLES on, the reach
+    # is at least what they reach, carried out from their rate at the body's power. A spike
+    # lasts until the loss falls back under half `persist_z`; one lasting a quarter of the window
+    # becomes the new level. `spike_classified` revises the type after `classify_window` steps,
+    # or after `confirm_steps` (see LossSpikeConfig) when a spike typed data toxicity stays far
+    # up on the batches after it.
 
     name = "loss_spike"
     gate_figure = "loss"
@@ -204,6 +216,8 @@ class LossSpikeDetector(Detector):
         "noise_age",
         "pending",
         "low_hist",
+        "doublings",
+        "excursion_hist",
     )
 
     def __init__(self, config: LossSpikeConfig | None = None) -> None:
@@ -226,6 +240,12 @@ class LossSpikeDetector(Detector):
         self.noise_age = 0
         self.pending: list[list[Any]] = []  # [step, loss, grad_norm, z, below] of elevated steps
         self.low_hist: list[float] = [0.0] * LOW_BINS  # signed `below` of the first steps
+        # baseline steps over `ratio_threshold` x the recent mean while under the persistence
+        # threshold: the run's own noise doubles its mean, so a doubling alone is no evidence
+        self.doublings = 0
+        # in such a run, the z of each excursion over the level that came back before it could
+        # persist: the tail beyond the body that the run produces itself (`_excursion_reach`)
+        self.excursion_hist: list[float] = [0.0] * Z_BINS
 
     def update(self, point: MetricPoint) -> list[Event]:
         if not point.loss_finite:
@@ -249,7 +269,9 @@ class LossSpikeDetector(Detector):
             float(x)
             for x in (m.base_mean, m.level, m.sigma, m.jump, m.z, m.z_noise, m.below, m.ratio)
         )
-        z_rule_of, ratio_rule_of, elevated_of, threshold = self._rules(m, self.tail, self.reach)
+        z_rule_of, ratio_rule_of, elevated_of, threshold = self._rules(
+            m, self.tail, self.reach, self.doublings
+        )
         z_rule, ratio_rule, elevated = bool(z_rule_of), bool(ratio_rule_of), bool(elevated_of)
         if self.run.active:
             if z_rule or ratio_rule or z > 0.5 * cfg.persist_z * self.tail:  # not back yet
@@ -265,6 +287,7 @@ class LossSpikeDetector(Detector):
         if not (z_rule or ratio_rule):
             if not elevated:
                 self._release_pending()  # it was noise after all
+                self.doublings += bool(ratio > cfg.ratio_threshold)
                 self._accept(loss, point.grad_norm, z_noise, below)
                 return events
             self.pending.append([point.step, loss, point.grad_norm, z_noise, below])
@@ -344,7 +367,8 @@ class LossSpikeDetector(Detector):
         threshold = max(cfg.z_threshold, self.reach)
         bounds = [max(big, level + threshold * sigma)]
         if base_mean > 0:
-            bounds.append(max(cfg.ratio_threshold * base_mean, level + cfg.ratio_min_z * sigma))
+            ratio_z = max(cfg.ratio_min_z, self.reach) if self.doublings else cfg.ratio_min_z
+            bounds.append(max(cfg.ratio_threshold * base_mean, level + ratio_z * sigma))
         if len(self.pending) + 1 >= cfg.persist_steps:  # the step that makes a jump persist
             persist = max(big, level + cfg.persist_z * self.tail * sigma)
             swing = self._swing(list(self.window))
@@ -368,15 +392,18 @@ class LossSpikeDetector(Detector):
         tails = _TailCounts(self, bins, _low_bin(got.below[counted]))
         if tails.totals is None:
             return start
-        ratio_rule = self._rules(got, self.tail, self.reach)[1]
-        first = first_true(ratio_rule)
         cfg = self.config
-        lowest = min(cfg.z_threshold, cfg.persist_z)  # a spike, or the first step of a lasting one
-        # (each threshold only widens from these, so steps under `lowest` need no look)
-        for k in np.flatnonzero(got.z[: m if first is None else first] > lowest).tolist():
+        # the baseline doublings before each step: every step before the first decision is one
+        doubled = got.ratio > cfg.ratio_threshold
+        doublings = self.doublings + np.concatenate(([0], np.cumsum(doubled)))[:-1]
+        # a spike, or the first step of a lasting one (each threshold only widens from these,
+        # with the reach in force at the step, so steps under `lowest` need no look)
+        lowest = min(cfg.z_threshold, cfg.persist_z, cfg.ratio_min_z)
+        first = None
+        for k in np.flatnonzero(got.z > lowest).tolist():
             tail, reach = tails.tail_after(int(before[k]))
-            z_rule, _, elevated, _ = self._rules(got.at(k), tail, reach)
-            if z_rule[0] or elevated[0]:
+            z_rule, ratio_rule, elevated, _ = self._rules(got.at(k), tail, reach, int(doublings[k]))
+            if z_rule[0] or ratio_rule[0] or elevated[0]:
                 first = k
                 break
         f = m if first is None else first
@@ -391,10 +418,12 @@ class LossSpikeDetector(Detector):
         self.drift = float(got.drift[f - 1])
         self.noise_count += f
         self.noise_age += f
+        self.doublings = int(doublings[f - 1] + doubled[f - 1])
         counts = int(before[f - 1] + counted[f - 1])
         self.tail, self.reach = tails.tail_after(counts)
         self.z_hist = tails.hist_after(counts).tolist()
         self.low_hist = tails.low_after(counts).tolist()
+        self.excursion_hist = tails.excursions_after(counts).tolist()
         self.z_total = tails.total_after(counts)
         if series.grad_norm is not None:
             g = series.grad_norm[idx[:f]]
@@ -499,11 +528,13 @@ class LossSpikeDetector(Detector):
         return fresh, fresh_drift
 
     def _rules(
-        self, m: _Measures, tail: float, reach: float
+        self, m: _Measures, tail: float, reach: float, doublings: int
     ) -> tuple[Values, Values, Values, float]:
         """Which steps pass the z-score rule, the ratio rule, and the persistence threshold (a
-        spike once it holds `persist_steps`), with the tail factor and reach in force; and the z
-        threshold. Arrays for `_measure`'s chunk, bools for `_measure_one`'s step."""
+        spike once it holds `persist_steps`), with the tail factor, reach and count of baseline
+        doublings in force (once the noise has doubled the mean, the ratio rule needs the loss
+        past the noise's reach too); and the z threshold. Arrays for `_measure`'s chunk, bools
+        for `_measure_one`'s step."""
         cfg = self.config
         threshold = max(cfg.z_threshold, reach)
         big = m.jump > cfg.min_rel_jump * abs(m.level)
@@ -511,7 +542,7 @@ class LossSpikeDetector(Detector):
         ratio_rule = (
             (m.base_mean > 0)
             & (m.losses > cfg.ratio_threshold * m.base_mean)
-            & (m.z > cfg.ratio_min_z)
+            & (m.z > (max(cfg.ratio_min_z, reach) if doublings else cfg.ratio_min_z))
         )
         elevated = (m.z > cfg.persist_z * tail) & big
         return z_rule, ratio_rule, elevated, threshold
@@ -531,10 +562,13 @@ class LossSpikeDetector(Detector):
         """Steps the level (a median of the latest `level_window` losses) lags the loss by."""
         return (self.config.level_window + 1) / 2
 
-    def _tail_of(self, hist: np.ndarray, total: float, low: np.ndarray) -> tuple[float, float]:
+    def _tail_of(
+        self, hist: np.ndarray, total: float, low: np.ndarray, excursions: np.ndarray
+    ) -> tuple[float, float]:
         """The persistence widening and the noise's reach (see the class comment) from the |z|
         histogram, or early from the signed one; the quantiles move in from `tail_quantile`
-        while few values are counted."""
+        while few values are counted. From TAIL_MIN_SAMPLES on, the reach is at least what the
+        run's own undone excursions reach at the body's power (`_excursion_reach`)."""
         budget = 2.0 / self.config.noise_reach_steps  # |z| counts both tails
         if total < TAIL_MIN_SAMPLES:
             return 1.0, min(self._lower_reach(low, budget), MAX_REACH)
@@ -546,7 +580,10 @@ class LossSpikeDetector(Detector):
         if q_lo <= 0 or q_hi <= q_lo:
             return tail, min(q_hi, MAX_REACH)
         power = min(math.log(q_hi / q_lo) / math.log(TAIL_SPAN), MAX_TAIL_POWER)
-        return tail, min(q_hi * (upper / budget) ** power, MAX_REACH)
+        reach = max(
+            q_hi * (upper / budget) ** power, _excursion_reach(excursions, total, budget, power)
+        )
+        return tail, min(reach, MAX_REACH)
 
     def _lower_reach(self, low: np.ndarray, budget: float) -> float:
         """The reach of a Student-t fitted to the lower tail of the first steps' noise (under
@@ -564,7 +601,12 @@ class LossSpikeDetector(Detector):
         return student_t_reach(q_hi, upper, q_lo, lower, budget)
 
     def _release_pending(self) -> None:
-        """The elevated steps held back were noise: they join the baseline in order."""
+        """The elevated steps held back were noise: they join the baseline in order, and, in a
+        run whose noise doubles its mean, their highest z joins the run's undone excursions."""
+        if self.pending and self.doublings:
+            top = max(float(p[3]) for p in self.pending)
+            if math.isfinite(top):
+                self.excursion_hist[int(min(top / Z_BIN, Z_BINS - 1))] += 1.0
         for _, value, grad, z_value, below in self.pending:
             self._accept(value, grad, z_value, below)
         self.pending.clear()
@@ -595,10 +637,14 @@ class LossSpikeDetector(Detector):
         self.z_total += 1.0
         if self.z_total >= 20 * self.config.noise_horizon:  # forget slowly: halve old counts
             self.z_hist = [c / 2 for c in self.z_hist]
+            self.excursion_hist = [c / 2 for c in self.excursion_hist]
             self.z_total /= 2
         if self.z_total >= TAIL_FIT_SAMPLES and int(self.z_total) % 100 == 0:
             self.tail, self.reach = self._tail_of(
-                np.asarray(self.z_hist), self.z_total, np.asarray(self.low_hist)
+                np.asarray(self.z_hist),
+                self.z_total,
+                np.asarray(self.low_hist),
+                np.asarray(self.excursion_hist),
             )
 
     def _classify(
@@ -788,6 +834,18 @@ def _bounded_spread(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     near = spread_sigmas(rows[:, -SPREAD_SPAN:])
     out: np.ndarray = np.where(near > 0, np.minimum(whole, SPREAD_NEAR * near), whole)
     return out, near
+
+
+def _excursion_reach(excursions: np.ndarray, total: float, budget: float, power: float) -> float:
+    """What a run's undone excursions (a |z| histogram) say its noise reaches once in
+    `1 / budget` values: each one's z (its bin's lower edge), carried out from the share of the
+    `total` values at or beyond it to the budget at the body's tail `power`; 0 with none."""
+    filled = np.flatnonzero(excursions > 0)
+    if not len(filled) or total <= 0:
+        return 0.0
+    from_top = np.cumsum(excursions[::-1])[::-1]  # the excursions at or beyond each bin
+    shares = from_top[filled] / total
+    return float(np.max(filled * Z_BIN * (shares / budget) ** power))
 
 
 def _low_bin(values: np.ndarray) -> np.ndarray:
