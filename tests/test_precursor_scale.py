@@ -188,6 +188,26 @@ def test_a_lasting_drop_or_the_guards_rescale_rearms_the_warning() -> None:
     assert _past_then([1600.0, 12.0] + [1800.0] * 3, rescaled_at=0)[-1] == first
 
 
+def test_a_layer_that_stays_past_critical_is_one_episode() -> None:
+    """A collapsed layer's max logit held in the 1000s for over a `window` of samples that fail
+    the trend rules (no trend in the noise), then growing again: one episode, one warning (an
+    episode ends only once the signal has left the critical region)."""
+    rng = np.random.default_rng(3)
+    hold = [1800.0 * (1 + 0.3 * float(x)) for x in rng.uniform(-1, 1, 16)]
+    regrow = [1800.0 * 1.15**i for i in range(1, 13)]
+    assert _past_then(hold + regrow) == [(13 * EVERY, "info"), (21 * EVERY, "warning")]
+
+
+def test_a_layer_that_leaves_for_a_window_and_comes_back_opens_a_new_episode() -> None:
+    """Under critical / margin for `window` (12) samples in a row, then rising towards critical
+    again: a new episode, noted anew; a shorter absence is the same episode."""
+    back = [30.0 * 1.06**i for i in range(20)]  # rising within the margin, never past critical
+    kept = [(13 * EVERY, "info"), (21 * EVERY, "warning")]
+    assert _past_then([5.0] * 11 + back) == kept
+    left = _past_then([5.0] * 12 + back)
+    assert left[:2] == kept and left[2:] == [((24 + 12 + 6) * EVERY, "info")]
+
+
 def test_preemptive_actions_only_on_warnings_of_the_signals_of_divergence() -> None:
     policy = StepPolicy(preempt=PreemptConfig(actions=["lr_cut", "qk_rescale"]))
     point = MetricPoint(500, 2.0, precursors={"max_logit": {"0": 300.0}})

@@ -36,16 +36,16 @@ class PrecursorWarningDetector(Detector):
     critical level, a robust trend (Theil-Sen) rising at over `trend_noise` times the noise
     about it and not slowing, that reaches critical within `horizon` steps, or the value past
     critical after a sample held was outside `margin` of it (even before `window` samples);
-    `confirm` samples in a row warn, once an episode (it ends after `window` samples that fail
-    the rules); past critical again within it after a lasting drop (`confirm` samples outside
-    `margin`, or one after the guard's own rescale), said once more."""
+    `confirm` samples in a row warn, once an episode (it ends only once the signal has left:
+    `window` samples in a row outside `margin`); past critical again within it after a lasting
+    drop (`confirm` samples outside `margin`, or one after the guard's own rescale), said once
+    more."""
 
     name = EventKind.PRECURSOR.value
     _state = (
         "samples",
         "streaks",
         "warned",
-        "quiet",
         "passed",
         "away",
         "rewritten",
@@ -62,7 +62,6 @@ class PrecursorWarningDetector(Detector):
         self.samples: dict[str, list[list[float]]] = {}
         self.streaks: dict[str, int] = {}  # samples in a row that met every rule
         self.warned: dict[str, bool] = {}  # a warning was given in the episode going on
-        self.quiet: dict[str, int] = {}  # samples in a row since, that met no rule
         # past its critical level since it was last outside `margin` of it (warned of once)
         self.passed: dict[str, bool] = {}
         self.away: dict[str, int] = {}  # samples in a row outside `margin` of critical
@@ -172,6 +171,10 @@ class PrecursorWarningDetector(Detector):
         past = now >= target
         near = _near(now, target, cfg.margin)
         self.away[key] = 0 if near else self.away.get(key, 0) + 1
+        if self.away[key] >= cfg.window:
+            # the episode ends only once the signal has left the critical region: samples that
+            # fail the trend rules while it stays far past critical (a collapsed layer) do not
+            self.warned[key] = False
         if self.away[key] >= cfg.confirm or (self.away[key] and self.rewritten):
             # far from critical again and staying there, or brought there by the guard's rescale:
             # re-armed (a one-sample dip of a collapsed layer's sampled value is not)
@@ -187,11 +190,7 @@ class PrecursorWarningDetector(Detector):
             self.streaks[key] = max(self.streaks.get(key, 0), cfg.confirm - 1)
         if trend is None:
             self.streaks[key] = 0
-            self.quiet[key] = self.quiet.get(key, 0) + 1
-            if self.quiet[key] >= cfg.window:
-                self.warned[key] = False
             return self._upgrade(point, signal, layer, value, critical, near, len(held))
-        self.quiet[key] = 0
         self.streaks[key] = self.streaks.get(key, 0) + 1
         if self.streaks[key] < cfg.confirm or self.warned.get(key, False):
             return self._upgrade(point, signal, layer, value, critical, near, len(held))
