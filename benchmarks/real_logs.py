@@ -83,7 +83,7 @@ def judge(path: Path, label: dict[str, Any]) -> Verdict:
     """One log through `read_log` and `analyze` (default config), its alarms (events at warning
     or above) set against its labelled spans; an alarm within `SLACK_ROWS` logged rows after a
     span belongs to it (a persistence rule may confirm a few rows late). A label's `loss_column`
-    names the loss column of a log whose loss no usual name gives (`--loss-column`)."""
+    names the loss column of a log whose loss no usual name gives (`--column`)."""
     half = label.get("half") or file_half(path.name)
     out = Verdict(path.name, half, bool(label["healthy"]), list(label.get("kinds") or []))
     try:
@@ -237,7 +237,7 @@ def report(verdicts: list[Verdict]) -> str:
         "of ~50% for about three steps would, the largest in the run; the detector reads a "
         "real transient spike there, and the label is left as written. "
         "Caveats: the JAX run is a W&B CSV export read by the generic reader "
-        "(`--loss-column loss_ce`), not a JAX stdout; no MaxText, levanter, Megatron, "
+        "(`--column loss_ce`), not a JAX stdout; no MaxText, levanter, Megatron, "
         "GPT-NeoX, torchtitan or nanotron log whose repository could be named was found, so "
         "no reader was added for them; logs cluster by repository (four of one student's "
         "sweep, three seeds of one config, three runs of one speedrun script), so they are "

@@ -25,7 +25,7 @@ _marked_slow: set[str] = set()
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        f"slow(reason): a test that takes over {SLOW_TEST_S:.0f} s on 2 cores, and why it must",
+        f"slow(reason): a test that takes over {SLOW_TEST_S:g} s on 2 cores, and why it must",
     )
 
 
@@ -49,7 +49,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         if s > SLOW_TEST_S and nodeid not in _marked_slow
     )
     if unexplained:
-        terminalreporter.section(f"tests over {SLOW_TEST_S:.0f} s without a slow(reason) marker")
+        terminalreporter.section(f"tests over {SLOW_TEST_S:g} s without a slow(reason) marker")
         for seconds, nodeid in reversed(unexplained):
             terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
         terminalreporter.write_line(
