@@ -187,7 +187,37 @@ MAX_POWER = 0.5  # the reach grows at most as a tail this heavy would
 LOG_FLOOR = 1e-300  # grad norms of 0 are read as this in log scale
 
 
-class GradSpikeDetector(Detector):
+class ResponseGradedDetector(Detector):
+    """A gradient rule whose incidents are graded by the loss's response (`LossResponse`): each
+    event opens a watch; bulk advances stop while one is open and feed the loss to its level."""
+
+    response: LossResponse
+
+    def update(self, point: MetricPoint) -> list[Event]:
+        events = self._judge_point(point)
+        if events:
+            self.response.open(point.step, self.name)
+        return events + self.response.follow(self, point, not self._incident_open())
+
+    def advance(self, series: MetricSeries, start: int) -> int:
+        if self.response.watches:
+            return start  # the loss after an incident is followed step by step
+        end = self._advance_grads(series, start)
+        self.response.keep(series.loss[start:end])
+        return end
+
+    def _judge_point(self, point: MetricPoint) -> list[Event]:
+        raise NotImplementedError
+
+    def _advance_grads(self, series: MetricSeries, start: int) -> int:
+        raise NotImplementedError
+
+    def _incident_open(self) -> bool:
+        """Whether the grad norm is still outside its limits (the incident goes on)."""
+        raise NotImplementedError
+
+
+class GradSpikeDetector(ResponseGradedDetector):
     """Global gradient norm over `ratio_threshold` x the median of recent non-spike norms, over
     what the run's own grad-norm outliers reach once in `reach_steps` steps, and `min_log_z`
     robust deviations of log norm over it; or over `abs_limit`. One event per incident; a norm
@@ -213,11 +243,8 @@ class GradSpikeDetector(Detector):
         self.reach = 0.0  # the excess the run's own outliers reach; 0 until it is read
         self.response = LossResponse()
 
-    def update(self, point: MetricPoint) -> list[Event]:
-        events = self._judge_point(point)
-        if events:
-            self.response.open(point.step, self.name)
-        return events + self.response.follow(self, point, not self.run.active)
+    def _incident_open(self) -> bool:
+        return self.run.active
 
     def _judge_point(self, point: MetricPoint) -> list[Event]:
         """The spike rule on one step: its event, if it starts one."""
@@ -280,13 +307,6 @@ class GradSpikeDetector(Detector):
             rows = windows_of(held[:-1], len(self.window))
             bounds.append(float(self._limits(np.log(np.maximum(rows, LOG_FLOOR)))[0]) * level)
         return min(bounds)
-
-    def advance(self, series: MetricSeries, start: int) -> int:
-        if self.response.watches:
-            return start  # the loss after a spike is followed step by step
-        end = self._advance_grads(series, start)
-        self.response.keep(series.loss[start:end])
-        return end
 
     def _advance_grads(self, series: MetricSeries, start: int) -> int:
         """`advance` of the spike rule: up to the next step that may raise a spike."""
@@ -482,7 +502,7 @@ def rise_over_level(prior: list[float], last: float, factor: float) -> bool:
     return rise >= math.log(factor) and rise >= RISE_NOISE * spread
 
 
-class GradExplosionDetector(Detector):
+class GradExplosionDetector(ResponseGradedDetector):
     """A gradient norm that rose on each of `growth_steps` consecutive steps by `growth_factor` in
     all, from its start and from the level of the norms before it (over their noise:
     `rise_over_level`), or that passed `abs_limit`; one event until the growth breaks."""
@@ -497,11 +517,8 @@ class GradExplosionDetector(Detector):
         self.groups = GroupHistory()
         self.response = LossResponse()
 
-    def update(self, point: MetricPoint) -> list[Event]:
-        events = self._judge_point(point)
-        if events:
-            self.response.open(point.step, self.name)
-        return events + self.response.follow(self, point, not self.active)
+    def _incident_open(self) -> bool:
+        return self.active
 
     def _judge_point(self, point: MetricPoint) -> list[Event]:
         """The growth rule on one step: its event, if it starts one."""
@@ -541,13 +558,6 @@ class GradExplosionDetector(Detector):
             metrics["first_group"] = first
             message += f"; {first['group']} moved first, from step {first['since_step']}"
         return [self.event(point, severity, message, metrics)]
-
-    def advance(self, series: MetricSeries, start: int) -> int:
-        if self.response.watches:
-            return start  # the loss after a rise is followed step by step
-        end = self._advance_grads(series, start)
-        self.response.keep(series.loss[start:end])
-        return end
 
     def _advance_grads(self, series: MetricSeries, start: int) -> int:
         """`advance` of the growth rule: up to the next step that may raise an event."""
