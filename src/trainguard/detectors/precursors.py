@@ -8,6 +8,7 @@ critical), and is `info` where the run learns on regardless."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,6 +30,23 @@ LOSS_NOISE = 3.0  # ... and over this many noises of that median
 GRAD_RESPONSE = 3.0  # the grad norms' recent median this x over their lowest: they responded
 FAR_PAST = 10.0  # a rising signal this x past its critical level runs on: warned, effect or not
 MEDIAN_NOISE = 1.2533  # the noise of a median of n samples: this x sigma / sqrt(n)
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """One layer's sampled signal as `_judge` read it: its critical level, log Z's base
+    (ln(vocabulary); 0 for the others) and how many samples its trend was read over."""
+
+    signal: str
+    layer: str
+    value: float
+    critical: float
+    base: float
+    samples: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.signal}/{self.layer}"
 
 
 class PrecursorWarningDetector(Detector):
@@ -166,6 +184,7 @@ class PrecursorWarningDetector(Detector):
         held.append([float(point.step), _towards(signal, value, base)])
         cfg = self.config
         self.samples[key] = held = held[-cfg.window :]
+        reading = _Reading(signal, layer, value, critical, base, len(held))
         target = _towards(signal, critical)
         now = _towards(signal, value, base)
         past = now >= target
@@ -182,7 +201,7 @@ class PrecursorWarningDetector(Detector):
         if past and self.warned.get(key, False) and not self.passed.get(key, False):
             # warned of earlier in this episode and now past critical (again): said once more
             self.passed[key] = True
-            return self._given(point, signal, layer, value, critical, base, 0, 0.0, len(held))
+            return self._given(point, reading, 0, 0.0)
         trend = self._trend(held, target)
         if trend is None and self._arrived_past(held, target):
             # no trend to read yet (or a jump): the level says it, its `confirm` samples counted
@@ -190,75 +209,52 @@ class PrecursorWarningDetector(Detector):
             self.streaks[key] = max(self.streaks.get(key, 0), cfg.confirm - 1)
         if trend is None:
             self.streaks[key] = 0
-            return self._upgrade(point, signal, layer, value, critical, near, len(held))
+            return self._upgrade(point, reading, near)
         self.streaks[key] = self.streaks.get(key, 0) + 1
         if self.streaks[key] < cfg.confirm or self.warned.get(key, False):
-            return self._upgrade(point, signal, layer, value, critical, near, len(held))
+            return self._upgrade(point, reading, near)
         self.warned[key] = True
         self.passed[key] = past
         slope, steps_left = trend
-        return self._given(
-            point, signal, layer, value, critical, base, steps_left, slope, len(held)
-        )
+        return self._given(point, reading, steps_left, slope)
 
-    def _given(
-        self,
-        point: MetricPoint,
-        signal: str,
-        layer: str,
-        value: float,
-        critical: float,
-        base: float,
-        steps_left: int,
-        slope: float,
-        samples: int,
-    ) -> Event:
+    def _given(self, point: MetricPoint, reading: _Reading, steps_left: int, slope: float) -> Event:
         """The episode's event, weighed by its effect; the severity kept for `_upgrade`."""
-        severity = self._severity(signal, value, critical)
-        self.given[f"{signal}/{layer}"] = severity
-        return self._warning(
-            point, signal, layer, value, critical, base, steps_left, slope, samples, severity
-        )
+        severity = self._severity(reading.signal, reading.value, reading.critical)
+        self.given[reading.key] = severity
+        return self._warning(point, reading, steps_left, slope, severity)
 
-    def _upgrade(
-        self,
-        point: MetricPoint,
-        signal: str,
-        layer: str,
-        value: float,
-        critical: float,
-        near: bool,
-        samples: int,
-    ) -> Event | None:
+    def _upgrade(self, point: MetricPoint, reading: _Reading, near: bool) -> Event | None:
         """The warning of an episode noted as `info` whose effect shows now (the loss or grad
         norm responds) while the signal is still near critical; once an episode."""
-        key = f"{signal}/{layer}"
+        signal, value, critical = reading.signal, reading.value, reading.critical
+        key = reading.key
         if not (near and self.warned.get(key, False) and self.given.get(key) == "info"):
             return None
         if self._severity(signal, value, critical) != "warning":
             return None
         self.given[key] = "warning"
         steps_left = 0 if _towards(signal, value) >= _towards(signal, critical) else -1
-        return self._warning(
-            point, signal, layer, value, critical, 0.0, steps_left, 0.0, samples, "warning"
-        )
+        return self._warning(point, reading, steps_left, 0.0, "warning")
 
     def _warning(
         self,
         point: MetricPoint,
-        signal: str,
-        layer: str,
-        value: float,
-        critical: float,
-        base: float,
+        reading: _Reading,
         steps_left: int,
         slope: float,
-        samples: int,
         severity: Severity,
     ) -> Event:
         """The `precursor` event of one layer's signal: heading for its critical level, with
         the steps left at its trend (-1: not read), or already past it; log Z's critical level
-        is its distance from `base` (ln(vocabulary))."""
+        is its distance from its base (ln(vocabulary))."""
+        signal, layer, value, critical = (
+            reading.signal,
+            reading.layer,
+            reading.value,
+            reading.critical,
+        )
+        base, samples = reading.base, reading.samples
         falling = signal in FALLING_PRECURSORS
         heading = "falling" if falling else "rising"
         past = _towards(signal, value, base) >= _towards(signal, critical)
