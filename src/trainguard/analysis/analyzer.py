@@ -17,7 +17,7 @@ from trainguard.config import DivergenceConfig, GuardConfig
 from trainguard.detectors import DetectorSuite
 from trainguard.detectors.level_shift import level_shifts, restarts_of
 from trainguard.detectors.nonfinite import inferred_overflow
-from trainguard.detectors.series import MetricSeries
+from trainguard.detectors.series import MetricSeries, true_runs
 from trainguard.detectors.stats import WARM_RESTART, noise_and_drift
 from trainguard.events import SEVERITY_RANK, SPIKE_TYPES, Event, Severity, SpikeType
 
@@ -332,14 +332,11 @@ def _first_of_each_nan_stretch(
     bad = ~np.isfinite(series.loss)
     if not bad.any():
         return series, {}
-    starts = np.flatnonzero(bad & ~np.concatenate(([False], bad[:-1])))
-    ends = np.flatnonzero(bad & ~np.concatenate((bad[1:], [False])))
+    runs = true_runs(bad)
     steps = series.steps
-    lengths = {
-        int(steps[a]): (int(steps[b]), int(b - a + 1)) for a, b in zip(starts, ends, strict=True)
-    }
+    lengths = {int(steps[a]): (int(steps[b]), b - a + 1) for a, b in runs}
     keep = ~bad
-    keep[starts] = True
+    keep[[a for a, _ in runs]] = True
 
     def cut(column: np.ndarray | None) -> np.ndarray | None:
         return None if column is None else column[keep]

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from trainguard.detectors.series import true_runs
 from trainguard.events import Event, Severity
 
 DENSE_SHARE = 0.9  # a column with a value on this share of the rows: its NaN is a NaN, not a gap
@@ -38,9 +39,7 @@ def side_column_nans(
         return []
     bad = ~present & np.isfinite(loss)
     events: list[Event] = []
-    starts = np.flatnonzero(bad & ~np.concatenate(([False], bad[:-1])))
-    ends = np.flatnonzero(bad & ~np.concatenate((bad[1:], [False])))
-    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+    for a, b in true_runs(bad):
         if a == 0 or b == len(bad) - 1 or not (present[a - 1] and present[b + 1]):
             continue  # a column that starts or stops late, or a gap of the log
         if loss_scale is not None and _scale_fell(loss_scale, a, b):
@@ -93,7 +92,7 @@ def side_column_counts(
         what, severity = COUNT_COLUMNS[key]
         added = _added(values)
         rose = (added > 0) & np.isfinite(loss)
-        for a, b in _stretches(rose):
+        for a, b in true_runs(rose):
             first, last = int(steps[a]), int(steps[b])
             if any(first <= s <= last for s in said):
                 continue
@@ -132,10 +131,3 @@ def _added(count: np.ndarray) -> np.ndarray:
     added = np.zeros(len(count))
     added[known] = np.where(np.isnan(rise), 0.0, rise)
     return added
-
-
-def _stretches(flags: np.ndarray) -> list[tuple[int, int]]:
-    """The first and last row of each run of True in `flags`."""
-    starts = np.flatnonzero(flags & ~np.concatenate(([False], flags[:-1])))
-    ends = np.flatnonzero(flags & ~np.concatenate((flags[1:], [False])))
-    return list(zip(starts.tolist(), ends.tolist(), strict=True))

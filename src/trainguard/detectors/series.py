@@ -123,6 +123,13 @@ def stop_at(idx: np.ndarray, first: int | None, series: MetricSeries, start: int
     return int(idx[first])
 
 
+def true_runs(flags: np.ndarray) -> list[tuple[int, int]]:
+    """The first and last index of each run of True in a boolean array."""
+    starts = np.flatnonzero(flags & ~np.concatenate(([False], flags[:-1])))
+    ends = np.flatnonzero(flags & ~np.concatenate((flags[1:], [False])))
+    return list(zip(starts.tolist(), ends.tolist(), strict=True))
+
+
 def first_true(mask: np.ndarray) -> int | None:
     hits = np.flatnonzero(mask)
     return int(hits[0]) if len(hits) else None
